@@ -125,7 +125,7 @@ class Readout:
     Attributes (R = number of ratios, L = number of thresholds, S = number of trajectory samples):
       ratios [R], thresholds [L];
       t, mu_ov, mu_qk, alpha: [R, L] state at the first crossing of each threshold (nan if never crossed);
-      traj_tau [S], traj_mu [S, R, 2]: the state at the end of every chunk (for plots);
+      traj_tau [S], traj_mu [S, R, 2]: the state every sample_tau, starting at tau = 0 (for plots);
       final_tau: tau at which integration stopped; reached [R]: whether each ratio hit the target loss.
     """
 
@@ -141,8 +141,9 @@ class Readout:
     reached: np.ndarray
 
 
-def _make_chunk(n_steps: int, dtau: float, c: ODEConstants):
-    """A jitted function advancing n_steps RK4 steps and recording first threshold crossings."""
+def _make_chunk(n_steps: int, sample_every: int, dtau: float, c: ODEConstants):
+    """A jitted function advancing n_steps RK4 steps, recording first threshold crossings and the state every
+    `sample_every` steps (returned as ys [n_steps // sample_every, R, 2] for plotting)."""
 
     def chunk(carry, eta_ov, eta_qk, th):
         def body(carry, _):
@@ -158,8 +159,11 @@ def _make_chunk(n_steps: int, dtau: float, c: ODEConstants):
             done = done | (loss <= th[-1])
             return (y_new, step, rec_step, rec_y, done), None
 
-        carry, _ = jax.lax.scan(body, carry, None, length=n_steps, unroll=8)
-        return carry
+        def outer(carry, _):
+            carry, _ = jax.lax.scan(body, carry, None, length=sample_every, unroll=8)
+            return carry, carry[0]
+
+        return jax.lax.scan(outer, carry, None, length=n_steps // sample_every)
 
     return jax.jit(chunk)
 
@@ -174,12 +178,14 @@ def integrate(
     n_thresholds: int = 50,
     target: float = 1e-4,
     chunk_tau: float = 1e5,
+    sample_tau: float = 1e3,
     c: ODEConstants = DEFAULT,
 ) -> Readout:
     """Integrate the reduced ODE for every QK/OV ratio r (eta_qk = r * eta_ov) from mu = 0.
 
     The horizon starts at tau_start and doubles (capped at tau_cap) while any ratio has not reached `target`.
-    Integration proceeds in chunks of chunk_tau; chunk_tau must divide tau_start so horizons are whole chunks.
+    Integration proceeds in chunks of chunk_tau; chunk_tau must divide tau_start so horizons are whole chunks. The
+    state is sampled every sample_tau (which must divide chunk_tau) for plots.
     """
     ratios_np = np.asarray(ratios, dtype=np.float64)
     if ratios_np.ndim != 1 or ratios_np.size == 0:
@@ -195,6 +201,9 @@ def integrate(
     steps_per_chunk = int(round(chunk_tau / dtau))
     if steps_per_chunk < 1 or abs(steps_per_chunk * dtau - chunk_tau) > 1e-9 * chunk_tau:
         raise ValueError(f"chunk_tau: must be a positive multiple of dtau, got {chunk_tau} with dtau {dtau}")
+    sample_every = int(round(sample_tau / dtau))
+    if sample_every < 1 or steps_per_chunk % sample_every:
+        raise ValueError(f"sample_tau: must be a multiple of dtau dividing chunk_tau, got {sample_tau}")
     if abs(round(tau_start / chunk_tau) * chunk_tau - tau_start) > 1e-9 * tau_start:
         raise ValueError(f"chunk_tau: must divide tau_start={tau_start}, got {chunk_tau}")
     th_np = thresholds(n_thresholds, 1.0, target)
@@ -204,7 +213,7 @@ def integrate(
         eta_ov_a = jnp.full((R,), eta_ov, jnp.float64)
         eta_qk_a = jnp.asarray(ratios_np * eta_ov, jnp.float64)
         th = jnp.asarray(th_np, jnp.float64)
-        chunk = _make_chunk(steps_per_chunk, dtau, c)
+        chunk = _make_chunk(steps_per_chunk, sample_every, dtau, c)
         carry = (
             jnp.zeros((R, 2), jnp.float64),
             jnp.asarray(0, jnp.int64),
@@ -216,10 +225,10 @@ def integrate(
         traj_tau, traj_mu = [0.0], [np.zeros((R, 2))]
         while True:
             while tau < horizon - 0.5 * dtau:
-                carry = chunk(carry, eta_ov_a, eta_qk_a, th)
+                carry, ys = chunk(carry, eta_ov_a, eta_qk_a, th)
+                traj_tau.extend(tau + sample_every * dtau * np.arange(1, ys.shape[0] + 1))
+                traj_mu.extend(np.asarray(ys))
                 tau += chunk_tau
-                traj_tau.append(tau)
-                traj_mu.append(np.asarray(carry[0]))
             if bool(np.all(np.asarray(carry[4]))) or horizon >= tau_cap:
                 break
             horizon = min(2.0 * horizon, tau_cap)
@@ -250,7 +259,7 @@ def write_csv(readout: Readout, path: str) -> None:
 
 
 def plot(readout: Readout, path: str, eta_ov: float = 1.0) -> None:
-    """mu_OV against log10 t and mu_QK against (log10 t)^2, one curve per ratio, from the chunk-end trajectory."""
+    """mu_OV against log10 t and mu_QK against (log10 t)^2, one curve per ratio, from the sampled trajectory."""
     import matplotlib
 
     matplotlib.use("Agg")
