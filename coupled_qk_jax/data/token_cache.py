@@ -1,0 +1,269 @@
+"""Tokenise a corpus once into flat token files, one per split, and reuse them.
+
+Layout (``CACHE`` is the ``cache_dir`` argument)::
+
+    CACHE/tokens/<corpus kind>-<key>/
+        manifest.json        written last: its presence means the entry is complete
+        tokenizer.json       the BPE tokenizer (absent for the byte tokenizer)
+        train.bin            flat token ids, uint16 when vocab_size <= 65535 else uint32,
+        validation.bin       every document followed by <|endoftext|>
+        test.bin
+
+``<key>`` is the first 16 hex digits of the SHA-256 of the corpus spec plus the tokenizer settings (kind, vocab size,
+the tokenizer file's hash when one is given, the BPE training cap) plus :data:`FORMAT_VERSION`. An entry is reused
+when its manifest has the same key and the corpus files still have the same list/sizes/mtimes; otherwise it is rebuilt.
+Every file is written to a temporary name and moved into place with ``os.replace``, so a crash or two hosts building
+the same entry never leave a half-written file under the final name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import platform
+import time
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from coupled_qk_jax.data.corpora import (
+    SPLITS, CorpusError, CorpusSpec, ReadStats, iter_documents, list_files, source_fingerprint)
+from coupled_qk_jax.data.tokenizer import BPETokenizer, ByteTokenizer, Tokenizer, tokenizer_json_sha256
+
+logger = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+# Documents per encode_batch call: large enough to keep the Rust thread pool busy, small enough to bound memory.
+_ENCODE_CHUNK_BYTES = 8 << 20
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """uint16 halves the file and the page cache when the ids fit; uint32 otherwise."""
+    return np.dtype(np.uint16) if vocab_size <= 65535 else np.dtype(np.uint32)
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenCache:
+    """A built cache entry. ``tokens(split)`` is a read-only ``np.memmap`` [n_tokens] of ``manifest['dtype']``."""
+
+    directory: Path
+    manifest: dict[str, Any]
+    tokenizer: Tokenizer
+
+    def tokens(self, split: str) -> np.ndarray:
+        """[n] uint16/uint32 token ids of one split, memory-mapped (an empty array for an empty split)."""
+        if split not in SPLITS:
+            raise CorpusError(f"unknown split {split!r}; expected one of {', '.join(SPLITS)}")
+        n = int(self.manifest["splits"][split]["tokens"])
+        dtype = np.dtype(self.manifest["dtype"])
+        if n == 0:  # np.memmap cannot map an empty file
+            return np.empty(0, dtype=dtype)
+        return np.memmap(self.directory / f"{split}.bin", dtype=dtype, mode="r", shape=(n,))
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.manifest["tokenizer"]["vocab_size"])
+
+    @property
+    def eot_id(self) -> int:
+        return int(self.manifest["tokenizer"]["eot_id"])
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def cache_key(spec: CorpusSpec, tokenizer: str, vocab_size: int, tokenizer_path: str | None,
+              bpe_train_bytes: int | None) -> tuple[str, dict[str, Any]]:
+    """(16-hex-digit key, the settings it hashes)."""
+    settings = {
+        "format_version": FORMAT_VERSION,
+        "corpus": spec.to_dict(),
+        "tokenizer": {
+            "kind": tokenizer, "vocab_size": vocab_size,
+            "file_sha256": tokenizer_json_sha256(tokenizer_path) if tokenizer_path else None,
+            "bpe_train_bytes": bpe_train_bytes if tokenizer == "bpe" and not tokenizer_path else None,
+        },
+    }
+    blob = json.dumps(settings, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(blob).hexdigest()[:16], settings
+
+
+def _chunks(docs: Iterator[str], max_bytes: int) -> Iterator[list[str]]:
+    buf: list[str] = []
+    size = 0
+    for d in docs:
+        buf.append(d)
+        size += len(d)
+        if size >= max_bytes:
+            yield buf
+            buf, size = [], 0
+    if buf:
+        yield buf
+
+
+def _tokenize_split(spec: CorpusSpec, split: str, tok: Tokenizer, out: Path, dtype: np.dtype) -> dict[str, Any]:
+    """Streams one split into ``out`` (atomically); returns its manifest entry."""
+    stats = ReadStats()
+    text_hash = hashlib.sha256()
+    token_hash = hashlib.sha256()
+    n_tokens = 0
+    eot = np.asarray([tok.eot_id], dtype=dtype)
+    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
+    with warnings.catch_warnings(record=True) as caught, open(tmp, "wb") as fh:
+        warnings.simplefilter("always")
+        for chunk in _chunks(iter_documents(spec, split, stats=stats), _ENCODE_CHUNK_BYTES):
+            for doc in chunk:
+                text_hash.update(doc.encode("utf-8"))
+                text_hash.update(b"\0")
+            pieces: list[np.ndarray] = []
+            for ids in tok.encode_batch(chunk):
+                pieces.append(ids.astype(dtype, copy=False))
+                pieces.append(eot)  # documents are separated (and terminated) by <|endoftext|>
+            arr = np.concatenate(pieces)
+            buf = arr.tobytes()
+            token_hash.update(buf)
+            fh.write(buf)
+            n_tokens += arr.size
+    os.replace(tmp, out)
+    for w in caught:  # re-emit the corpus reader's skipped-file warning to the caller
+        warnings.warn(str(w.message), w.category, stacklevel=3)
+    entry: dict[str, Any] = {
+        "file": out.name, "tokens": n_tokens, "documents": stats.documents, "bytes": stats.bytes,
+        "text_sha256": text_hash.hexdigest(), "tokens_sha256": token_hash.hexdigest(),
+        "skipped_non_utf8": len(stats.skipped_non_utf8), "skipped_files": stats.skipped_non_utf8[:20],
+    }
+    if spec.kind in ("stdlib", "text_dir"):
+        files = list_files(spec, split)
+        entry["files"] = len(files)
+        entry["file_list_sha256"] = hashlib.sha256("\n".join(files).encode()).hexdigest()
+    if n_tokens == 0:
+        msg = f"corpus {spec} split {split} is empty; a training/eval pipeline on it will refuse to start"
+        logger.warning(msg)
+        warnings.warn(msg, stacklevel=3)
+    return entry
+
+
+def _limited(docs: Iterator[str], max_bytes: int | None) -> Iterator[str]:
+    used = 0
+    for d in docs:
+        if max_bytes is not None and used >= max_bytes:
+            return
+        used += len(d)
+        yield d
+
+
+def _make_tokenizer(spec: CorpusSpec, kind: str, vocab_size: int, tokenizer_path: str | None,
+                    bpe_train_bytes: int | None, entry: Path) -> tuple[Tokenizer, str | None]:
+    if kind == "byte":
+        if vocab_size != ByteTokenizer.vocab_size:
+            raise CorpusError(f"vocab mismatch: the byte tokenizer has vocab_size {ByteTokenizer.vocab_size} "
+                              f"(256 bytes + <|endoftext|>), but {vocab_size} was asked for")
+        return ByteTokenizer(), None
+    if kind != "bpe":
+        raise CorpusError(f"unknown tokenizer {kind!r}; expected 'bpe' or 'byte'")
+    target = entry / "tokenizer.json"
+    if tokenizer_path:
+        tok = BPETokenizer.load(tokenizer_path, vocab_size)
+    else:
+        t0 = time.perf_counter()
+        tok = BPETokenizer.train(_limited(iter_documents(spec, "train", warn=False), bpe_train_bytes), vocab_size)
+        logger.info("trained a %d-token BPE on %s in %.1f s", vocab_size, spec, time.perf_counter() - t0)
+    tok.save(target)
+    return tok, target.name
+
+
+def build_token_cache(corpus: CorpusSpec | str | dict[str, Any], cache_dir: str | os.PathLike[str], *,
+                      tokenizer: str = "bpe", vocab_size: int = 8192, tokenizer_path: str | None = None,
+                      bpe_train_bytes: int | None = 200 << 20, rebuild: bool = False) -> TokenCache:
+    """Returns the token cache of ``corpus``, building it first unless a matching entry exists.
+
+    Args:
+      corpus: a :class:`CorpusSpec`, its string form (``"stdlib"``, ``"text_dir:DIR"``, ...) or its dict form.
+      cache_dir: root of the cache (created if missing).
+      tokenizer: ``"bpe"`` (trained on the corpus's train split unless ``tokenizer_path`` is given) or ``"byte"``.
+      vocab_size: the model's vocabulary; must equal the tokenizer's (257 for ``"byte"``).
+      tokenizer_path: an existing BPE ``tokenizer.json`` to use instead of training one (e.g. to compare corpora
+        under one tokenizer).
+      bpe_train_bytes: cap on the training text fed to BPE training (text bytes, whole documents).
+      rebuild: rebuild even when a matching entry exists.
+
+    Raises:
+      CorpusError: bad corpus, vocab mismatch, or a corpus too small for the requested BPE.
+    """
+    spec = CorpusSpec.coerce(corpus)
+    key, settings = cache_key(spec, tokenizer, vocab_size, tokenizer_path, bpe_train_bytes)
+    entry = Path(cache_dir) / "tokens" / f"{spec.kind}-{key}"
+    fingerprint = source_fingerprint(spec)
+    manifest_path = entry / "manifest.json"
+    if manifest_path.is_file() and not rebuild:
+        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+        reason = _stale_reason(manifest, key, fingerprint, entry)
+        if reason is None:
+            return TokenCache(entry, manifest, _load_tokenizer(manifest, entry))
+        logger.info("rebuilding token cache %s: %s", entry, reason)
+
+    entry.mkdir(parents=True, exist_ok=True)
+    tok, tok_file = _make_tokenizer(spec, tokenizer, vocab_size, tokenizer_path, bpe_train_bytes, entry)
+    dtype = token_dtype(tok.vocab_size)
+    t0 = time.perf_counter()
+    splits = {s: _tokenize_split(spec, s, tok, entry / f"{s}.bin", dtype) for s in SPLITS}
+    import tokenizers  # noqa: PLC0415 - only for the version recorded in the manifest
+
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "key": key,
+        "corpus": settings["corpus"],
+        "corpus_str": str(spec),
+        "tokenizer": {"kind": tok.kind, "vocab_size": tok.vocab_size, "eot_id": tok.eot_id, "file": tok_file,
+                      "source_file_sha256": settings["tokenizer"]["file_sha256"],
+                      "bpe_train_bytes": settings["tokenizer"]["bpe_train_bytes"]},
+        "dtype": dtype.name,
+        "splits": splits,
+        "source_fingerprint": fingerprint,
+        "build_seconds": round(time.perf_counter() - t0, 3),
+        "created_unix": int(time.time()),
+        "versions": {"python": platform.python_version(), "tokenizers": tokenizers.__version__,
+                     "numpy": np.__version__},
+    }
+    _atomic_write_text(manifest_path, json.dumps(manifest, indent=2, sort_keys=True))
+    return TokenCache(entry, manifest, tok)
+
+
+def _stale_reason(manifest: dict[str, Any], key: str, fingerprint: dict[str, Any], entry: Path) -> str | None:
+    if manifest.get("format_version") != FORMAT_VERSION or manifest.get("key") != key:
+        return "settings differ"
+    if manifest.get("source_fingerprint") != fingerprint:
+        return "corpus files changed"
+    itemsize = np.dtype(manifest["dtype"]).itemsize
+    for split in SPLITS:
+        p = entry / manifest["splits"][split]["file"]
+        if not p.is_file() or p.stat().st_size != manifest["splits"][split]["tokens"] * itemsize:
+            return f"{p.name} missing or truncated"
+    return None
+
+
+def _load_tokenizer(manifest: dict[str, Any], entry: Path) -> Tokenizer:
+    info = manifest["tokenizer"]
+    if info["kind"] == "byte":
+        return ByteTokenizer()
+    # A tokenizer.json that no longer matches its manifest (replaced by hand) must not silently re-map the ids.
+    return BPETokenizer.load(entry / info["file"], int(info["vocab_size"]))
+
+
+def load_token_cache(directory: str | os.PathLike[str]) -> TokenCache:
+    """Opens an existing entry directory (``CACHE/tokens/<kind>-<key>``) without checking the corpus."""
+    entry = Path(directory)
+    mp = entry / "manifest.json"
+    if not mp.is_file():
+        raise CorpusError(f"{entry} is not a token cache entry (no manifest.json)")
+    manifest = json.loads(mp.read_text(encoding="utf-8"))
+    return TokenCache(entry, manifest, _load_tokenizer(manifest, entry))
