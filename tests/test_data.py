@@ -1,0 +1,422 @@
+"""Data layer: corpora, tokenizers, token cache, grain pipeline. Fast, offline; fixtures are written into tmp_path.
+
+References are independent of the code under test: files are read back with plain ``open``, token streams are
+rebuilt with ``tokenizer.encode`` one document at a time, and pipeline windows are checked against ``np.arange``
+token arrays, where a window's contents name its own start position.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from coupled_qk_jax.data.corpora import (
+    SPLITS, CorpusError, CorpusSpec, ReadStats, iter_documents, list_files)
+from coupled_qk_jax.data.pipeline import (
+    IGNORE_INDEX, eval_batches, make_train_iterator, num_eval_batches, num_train_slots, train_window_starts)
+from coupled_qk_jax.data.token_cache import build_token_cache, load_token_cache, token_dtype
+from coupled_qk_jax.data.tokenizer import BPETokenizer, ByteTokenizer
+
+FRACTIONS = (0.6, 0.2, 0.2)
+WORDS = ("the quick brown fox jumps over lazy dog attention query key value matrix gradient flow coupled "
+         "token window corpus split train test validation def return class import self lambda yield").split()
+NON_ASCII = "Grüße, 日本語のテキスト, emoji 🙂🚀, naïve café — ΑΒΓ δ\n\ttabs and  spaces"
+
+
+def _text(rng: random.Random, n_words: int) -> str:
+    lines = []
+    for _ in range(max(1, n_words // 12)):
+        lines.append(" ".join(rng.choice(WORDS) for _ in range(12)) + rng.choice([".", ":", "()", ""]))
+    return "\n".join(lines) + "\n"
+
+
+def _write_corpus(root: Path, n_files: int = 40, n_words: int = 300, seed: int = 0) -> Path:
+    rng = random.Random(seed)
+    for i in range(n_files):
+        sub = root / f"part{i % 3}"
+        sub.mkdir(parents=True, exist_ok=True)
+        ext = (".txt", ".md", ".rst", ".py")[i % 4]
+        (sub / f"doc{i:03d}{ext}").write_text(_text(rng, n_words) + (NON_ASCII if i % 5 == 0 else ""),
+                                              encoding="utf-8")
+    return root
+
+
+def _spec(root: Path) -> CorpusSpec:
+    return CorpusSpec("text_dir", path=str(root), split_fractions=FRACTIONS)
+
+
+@pytest.fixture(scope="module")
+def corpus_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _write_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+@pytest.fixture(scope="module")
+def bpe(corpus_dir: Path) -> BPETokenizer:
+    return BPETokenizer.train(iter_documents(_spec(corpus_dir), "train"), vocab_size=320)
+
+
+# -- corpora ---------------------------------------------------------------------------------------------------------
+def test_stdlib_split_is_deterministic_disjoint_and_complete():
+    root = Path(sysconfig.get_paths()["stdlib"])
+    per_split = {s: list_files("stdlib", s) for s in SPLITS}
+    assert per_split == {s: list_files(CorpusSpec("stdlib"), s) for s in SPLITS}  # deterministic
+    sets = [set(v) for v in per_split.values()]
+    assert not (sets[0] & sets[1] or sets[0] & sets[2] or sets[1] & sets[2])
+    # Independent listing: every .py under the stdlib outside test folders and installed packages.
+    excluded = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
+    expected = {p.relative_to(root).as_posix() for p in root.rglob("*.py")
+                if not excluded & set(p.relative_to(root).parts[:-1])
+                and not any(part.startswith(".") for part in p.relative_to(root).parts)}
+    assert set().union(*sets) == expected
+    assert all("test" not in Path(f).parts[:-1] for f in expected)
+    n = len(expected)
+    assert n > 300 and len(sets[0]) > 0.9 * n and len(sets[1]) >= 1 and len(sets[2]) >= 1
+
+
+def test_split_of_a_file_does_not_move_when_files_are_added(tmp_path: Path):
+    root = _write_corpus(tmp_path / "c", n_files=30)
+    spec = _spec(root)
+    before = {s: set(list_files(spec, s)) for s in SPLITS}
+    _write_corpus(tmp_path / "c" / "more", n_files=30, seed=1)
+    after = {s: set(list_files(spec, s)) for s in SPLITS}
+    for s in SPLITS:
+        assert before[s] <= after[s]
+    assert sum(map(len, after.values())) == 60
+
+
+def test_text_dir_documents_are_the_files_of_the_split(corpus_dir: Path):
+    spec = _spec(corpus_dir)
+    for split in SPLITS:
+        files = list_files(spec, split)
+        assert files, f"fixture should put files in {split}"
+        expected = [(corpus_dir / f).read_text(encoding="utf-8") for f in sorted(files)]
+        stats = ReadStats()
+        assert list(iter_documents(spec, split, stats=stats)) == expected
+        assert stats.documents == len(expected) and stats.bytes == sum(len(t.encode()) for t in expected)
+
+
+def test_spec_string_and_dict_forms_round_trip(tmp_path: Path):
+    for text in ["stdlib", f"text_dir:{tmp_path}", f"wikitext103:{tmp_path}", "hf:openwebtext",
+                 "hf:Salesforce/wikitext:wikitext-103-raw-v1:text", f"mixture:stdlib@1;text_dir:{tmp_path}@2.5"]:
+        spec = CorpusSpec.parse(text)
+        assert CorpusSpec.parse(str(spec)) == spec
+        assert CorpusSpec.coerce(json.loads(json.dumps(spec.to_dict()))).to_dict() == spec.to_dict()
+    with pytest.raises(CorpusError, match="cannot parse corpus spec 'books:/x'"):
+        CorpusSpec.parse("books:/x")
+    with pytest.raises(CorpusError, match="unknown corpus kind"):
+        CorpusSpec("books")
+    with pytest.raises(CorpusError, match="lacks a weight"):
+        CorpusSpec.parse("mixture:stdlib")
+
+
+def test_errors_missing_and_empty_dir(tmp_path: Path):
+    with pytest.raises(CorpusError, match="does not exist"):
+        list(iter_documents(CorpusSpec("text_dir", path=str(tmp_path / "nope")), "train"))
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "data.bin").write_bytes(b"\x00\x01")
+    with pytest.raises(CorpusError, match="has no .txt/.md/.rst/.py files"):
+        list(iter_documents(CorpusSpec("text_dir", path=str(tmp_path / "empty")), "train"))
+    with pytest.raises(CorpusError, match="unknown split"):
+        list(iter_documents("stdlib", "dev"))
+    err = CorpusError("x")
+    assert isinstance(err, ValueError)
+
+
+@pytest.mark.filterwarnings("ignore:.*is empty")
+def test_non_utf8_file_is_skipped_and_counted(tmp_path: Path):
+    root = _write_corpus(tmp_path / "c", n_files=12)
+    spec = CorpusSpec("text_dir", path=str(root), split_fractions=(1.0, 0.0, 0.0))
+    (root / "latin1.txt").write_bytes("caf\xe9 cr\xe8me".encode("latin-1"))
+    stats = ReadStats()
+    with pytest.warns(UserWarning, match="skipped 1 non-UTF-8 file"):
+        docs = list(iter_documents(spec, "train", stats=stats))
+    assert stats.skipped_non_utf8 == ["latin1.txt"]
+    assert len(docs) == 12
+    with pytest.warns(UserWarning, match="non-UTF-8"):
+        cache = build_token_cache(spec, tmp_path / "cache", tokenizer="byte", vocab_size=257)
+    assert cache.manifest["splits"]["train"]["skipped_non_utf8"] == 1
+    assert cache.manifest["splits"]["train"]["documents"] == 12
+
+
+def test_wikitext_missing_and_present(tmp_path: Path):
+    with pytest.raises(CorpusError, match=r"wiki\.train\.raw.*datasets"):
+        list(iter_documents(f"wikitext103:{tmp_path}", "train"))
+    body = {"train": " = Alpha = \n\n Alpha text .\n\n = = Section = = \n more .\n = Beta = \n\n Beta text .\n",
+            "validation": " = Gamma = \n\n g .\n", "test": " = Delta = \n\n d .\n"}
+    for split, fn in (("train", "wiki.train.raw"), ("validation", "wiki.valid.raw"), ("test", "wiki.test.raw")):
+        (tmp_path / fn).write_text(body[split], encoding="utf-8")
+    docs = list(iter_documents(f"wikitext103:{tmp_path}", "train"))
+    assert docs == [" = Alpha = \n\n Alpha text .\n\n = = Section = = \n more .\n", " = Beta = \n\n Beta text .\n"]
+    assert "".join(docs) == body["train"]
+    assert list(iter_documents(f"wikitext103:{tmp_path}", "validation")) == [body["validation"]]
+
+
+def test_hf_corpus_needs_datasets_or_reports_clearly():
+    try:
+        import datasets  # noqa: F401
+    except ImportError:
+        with pytest.raises(CorpusError, match="pip install datasets"):
+            list(iter_documents("hf:openwebtext", "train"))
+    else:
+        pytest.skip("datasets is installed; the offline error path cannot be exercised")
+
+
+def test_mixture_weights_and_membership(tmp_path: Path):
+    a = _write_corpus(tmp_path / "a", n_files=30, n_words=400, seed=1)
+    b = _write_corpus(tmp_path / "b", n_files=10, n_words=400, seed=2)
+    sa = CorpusSpec("text_dir", path=str(a), split_fractions=(1.0, 0.0, 0.0))
+    sb = CorpusSpec("text_dir", path=str(b), split_fractions=(1.0, 0.0, 0.0))
+    docs_a, docs_b = list(iter_documents(sa, "train")), list(iter_documents(sb, "train"))
+    mix = CorpusSpec("mixture", sources=((sa, 1.0), (sb, 1.0)))
+    out = list(iter_documents(mix, "train"))
+    assert out == list(iter_documents(mix, "train"))  # deterministic order
+    from_a = [d for d in out if d in docs_a]
+    from_b = [d for d in out if d in docs_b]
+    assert len(from_a) + len(from_b) == len(out)
+    assert sorted(from_b) == sorted(docs_b)  # the scarce source is used whole, nothing repeated
+    bytes_a, bytes_b = (sum(len(d.encode()) for d in x) for x in (from_a, from_b))
+    assert abs(bytes_a - bytes_b) / bytes_b < 0.15  # 1:1 weights -> about equal bytes (whole documents)
+    assert out != from_a + from_b  # interleaved, not concatenated
+
+
+# -- tokenizers ------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("text", ["plain ASCII text, with  two spaces\nand a newline.", NON_ASCII, " leading", ""])
+def test_tokenizer_round_trip(bpe: BPETokenizer, text: str):
+    byte = ByteTokenizer()
+    assert list(byte.encode(text)) == list(text.encode("utf-8"))
+    assert byte.decode(byte.encode(text)) == text
+    assert bpe.decode(bpe.encode(text)) == text
+    assert [list(x) for x in bpe.encode_batch([text, text])] == [list(bpe.encode(text))] * 2
+
+
+def test_bpe_properties_and_save_load(bpe: BPETokenizer, tmp_path: Path):
+    assert bpe.vocab_size == 320 and bpe.eot_id == 0 and ByteTokenizer().eot_id == 256
+    ids = bpe.encode("the quick brown fox jumps over the lazy dog")
+    assert len(ids) < 0.7 * len("the quick brown fox jumps over the lazy dog")  # merges learned from the fixture
+    assert 0 <= ids.min() and ids.max() < 320
+    bpe.save(tmp_path / "tok.json")
+    again = BPETokenizer.load(tmp_path / "tok.json", vocab_size=320)
+    assert list(again.encode(NON_ASCII)) == list(bpe.encode(NON_ASCII))
+    with pytest.raises(CorpusError, match="vocab mismatch"):
+        BPETokenizer.load(tmp_path / "tok.json", vocab_size=512)
+
+
+def test_bpe_too_small_corpus_is_a_clear_error():
+    with pytest.raises(CorpusError, match="too small"):
+        BPETokenizer.train(["tiny text"], vocab_size=4096)
+
+
+# -- token cache -----------------------------------------------------------------------------------------------------
+def test_token_cache_contents_manifest_and_reuse(corpus_dir: Path, tmp_path: Path):
+    spec = _spec(corpus_dir)
+    cache = build_token_cache(spec, tmp_path, tokenizer="bpe", vocab_size=320)
+    m = cache.manifest
+    assert m["dtype"] == "uint16" and m["tokenizer"] == {**m["tokenizer"], "kind": "bpe", "vocab_size": 320,
+                                                         "eot_id": 0}
+    assert m["corpus"]["kind"] == "text_dir" and m["corpus"]["path"] == os.path.abspath(corpus_dir)
+    assert cache.directory.parent == tmp_path / "tokens" and cache.directory.name == f"text_dir-{m['key']}"
+    assert (cache.directory / "tokenizer.json").is_file()
+    tok = cache.tokenizer
+    for split in SPLITS:
+        docs = [(corpus_dir / f).read_text(encoding="utf-8") for f in list_files(spec, split)]
+        expected = np.concatenate([np.append(tok.encode(d), tok.eot_id) for d in docs])
+        got = cache.tokens(split)
+        assert got.dtype == np.uint16 and isinstance(got, np.memmap)
+        np.testing.assert_array_equal(got, expected)
+        entry = m["splits"][split]
+        assert entry["tokens"] == expected.size and entry["documents"] == len(docs)
+        assert entry["files"] == len(docs) and len(entry["text_sha256"]) == 64
+        assert len(entry["file_list_sha256"]) == 64 and entry["skipped_non_utf8"] == 0
+    on_disk = json.loads((cache.directory / "manifest.json").read_text())
+    assert on_disk == m
+
+    # Reuse: same spec -> same entry, nothing rewritten.
+    mtime = (cache.directory / "train.bin").stat().st_mtime_ns
+    again = build_token_cache(spec, tmp_path, tokenizer="bpe", vocab_size=320)
+    assert again.directory == cache.directory and again.manifest == m
+    assert (cache.directory / "train.bin").stat().st_mtime_ns == mtime
+    assert load_token_cache(cache.directory).manifest == m
+    # A different tokenizer setting is a different entry.
+    byte = build_token_cache(spec, tmp_path, tokenizer="byte", vocab_size=257)
+    assert byte.directory != cache.directory
+    assert byte.manifest["splits"]["train"]["tokens"] == sum(
+        len((corpus_dir / f).read_bytes()) + 1 for f in list_files(spec, "train"))
+    assert not list(tmp_path.rglob(".*tmp*"))  # no temporary files left behind
+
+
+@pytest.mark.filterwarnings("ignore:.*is empty")
+def test_token_cache_rebuilds_when_corpus_changes(tmp_path: Path):
+    root = _write_corpus(tmp_path / "c", n_files=8)
+    spec = CorpusSpec("text_dir", path=str(root), split_fractions=(1.0, 0.0, 0.0))
+    first = build_token_cache(spec, tmp_path / "cache", tokenizer="byte", vocab_size=257)
+    n0 = first.manifest["splits"]["train"]["tokens"]
+    (root / "new.txt").write_text("extra document\n", encoding="utf-8")
+    second = build_token_cache(spec, tmp_path / "cache", tokenizer="byte", vocab_size=257)
+    assert second.directory == first.directory
+    assert second.manifest["splits"]["train"]["tokens"] == n0 + len("extra document\n") + 1
+
+
+def test_token_cache_vocab_mismatch(corpus_dir: Path, bpe: BPETokenizer, tmp_path: Path):
+    bpe.save(tmp_path / "tok.json")
+    with pytest.raises(CorpusError, match="vocab mismatch.*320.*400"):
+        build_token_cache(_spec(corpus_dir), tmp_path / "cache", vocab_size=400, tokenizer_path=str(tmp_path / "tok.json"))
+    with pytest.raises(CorpusError, match="vocab mismatch"):
+        build_token_cache(_spec(corpus_dir), tmp_path / "cache", tokenizer="byte", vocab_size=256)
+    # A cached tokenizer.json that no longer matches its manifest is refused, not silently used.
+    cache = build_token_cache(_spec(corpus_dir), tmp_path / "cache", vocab_size=320,
+                              tokenizer_path=str(tmp_path / "tok.json"))
+    BPETokenizer.train(iter_documents(_spec(corpus_dir), "train"), 300).save(cache.directory / "tokenizer.json")
+    with pytest.raises(CorpusError, match="vocab mismatch"):
+        load_token_cache(cache.directory)
+    assert token_dtype(65535) == np.uint16 and token_dtype(65536) == np.uint32
+
+
+# -- pipeline --------------------------------------------------------------------------------------------------------
+def _check_windows(batch: dict[str, np.ndarray], seq_len: int) -> np.ndarray:
+    """With tokens = arange(N), a window is arange(s, s + T); returns the starts s."""
+    x, y = batch["inputs"], batch["targets"]
+    assert x.dtype == np.int32 and y.dtype == np.int32 and x.shape == y.shape and x.shape[1] == seq_len
+    starts = x[:, 0]
+    np.testing.assert_array_equal(x, starts[:, None] + np.arange(seq_len))
+    np.testing.assert_array_equal(y, x + 1)
+    return starts
+
+
+def test_train_batches_deterministic_and_seed_dependent():
+    tokens = np.arange(5000, dtype=np.int32)
+    take = lambda seed: [next(it) for it in [make_train_iterator(tokens, 32, 4, seed)] for _ in range(10)]
+    a, b, c = take(0), take(0), take(1)
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(x["inputs"], y["inputs"])
+        np.testing.assert_array_equal(x["targets"], y["targets"])
+    assert any(not np.array_equal(x["inputs"], z["inputs"]) for x, z in zip(a, c))
+    for batch in a:
+        assert (_check_windows(batch, 32) + 32 < 5000).all()
+
+
+def test_train_epoch_covers_every_slot_once_and_reshuffles():
+    tokens = np.arange(1000, dtype=np.int32)
+    seq_len = 16
+    slots = num_train_slots(1000, seq_len)
+    assert slots == 999 // 16
+    ds = train_window_starts(tokens, seq_len, seed=3)
+    epoch0 = np.array([ds[i] for i in range(slots)])
+    epoch1 = np.array([ds[i] for i in range(slots, 2 * slots)])
+    for ep in (epoch0, epoch1):
+        assert sorted(ep // seq_len) == list(range(slots))
+        assert (ep + seq_len < 1000).all()
+    assert not np.array_equal(epoch0 // seq_len, epoch1 // seq_len)  # a new order each epoch
+    assert len(set((epoch0 % seq_len).tolist())) > 1  # random offsets inside slots
+
+
+def test_per_host_slices_are_disjoint_and_cover_single_host():
+    tokens = np.arange(4001, dtype=np.int32)
+    seq_len, slots = 25, num_train_slots(4001, 25)  # 160 slots
+    single = make_train_iterator(tokens, seq_len, 4, seed=7)
+    hosts = [make_train_iterator(tokens, seq_len, 2, seed=7, process_index=p, process_count=2) for p in (0, 1)]
+    seen = {0: [], 1: []}
+    for _ in range(slots // 4):  # exactly one epoch
+        ref = _check_windows(next(single), seq_len)
+        parts = [_check_windows(next(h), seq_len) for h in hosts]
+        seen[0] += parts[0].tolist()
+        seen[1] += parts[1].tolist()
+        assert sorted(ref.tolist()) == sorted(parts[0].tolist() + parts[1].tolist())
+    assert not set(seen[0]) & set(seen[1])
+    assert sorted(s // seq_len for s in seen[0] + seen[1]) == list(range(slots))
+
+
+def test_iterator_state_round_trip():
+    tokens = np.arange(3000, dtype=np.uint16)
+    it = make_train_iterator(tokens, 20, 3, seed=11)
+    for _ in range(7):
+        next(it)
+    state = it.get_state()
+    expected = [next(it) for _ in range(6)]
+    fresh = make_train_iterator(tokens, 20, 3, seed=11)
+    fresh.set_state(state)
+    for e in expected:
+        g = next(fresh)
+        np.testing.assert_array_equal(g["inputs"], e["inputs"])
+        np.testing.assert_array_equal(g["targets"], e["targets"])
+
+
+def test_iterator_checkpoint_with_orbax(tmp_path: Path):
+    grain = pytest.importorskip("grain")
+    ocp = pytest.importorskip("orbax.checkpoint")
+    tokens = np.arange(3000, dtype=np.int32)
+    it = make_train_iterator(tokens, 20, 3, seed=5)
+    for _ in range(4):
+        next(it)
+    with ocp.CheckpointManager(os.path.abspath(tmp_path / "ckpt"), item_names=("data",)) as mngr:
+        mngr.save(4, args=ocp.args.Composite(data=grain.checkpoint.CheckpointSave(it)))
+        mngr.wait_until_finished()
+        expected = [next(it)["inputs"] for _ in range(5)]
+        fresh = make_train_iterator(tokens, 20, 3, seed=5)
+        mngr.restore(4, args=ocp.args.Composite(data=grain.checkpoint.CheckpointRestore(fresh)))
+    for e in expected:
+        np.testing.assert_array_equal(next(fresh)["inputs"], e)
+
+
+@pytest.mark.parametrize("n,seq_len,batch,bos", [(1000, 32, 4, None), (1000, 32, 4, 7), (97, 10, 3, 7),
+                                                 (64, 64, 2, None), (5, 8, 2, 7)])
+def test_eval_windows_score_every_token_once(n: int, seq_len: int, batch: int, bos: int | None):
+    tokens = np.arange(100, 100 + n, dtype=np.uint16)
+    scored: list[int] = []
+    batches = list(eval_batches(tokens, seq_len, batch, bos_id=bos))
+    assert len(batches) == num_eval_batches(n, seq_len, batch, bos_id=bos)
+    for b in batches:
+        x, y = b["inputs"], b["targets"]
+        assert x.shape == y.shape == (batch, seq_len) and x.dtype == y.dtype == np.int32
+        valid = y != IGNORE_INDEX
+        scored += y[valid].tolist()
+        # Where both are real, the next input is this position's target (contiguous text).
+        both = valid[:, :-1] & valid[:, 1:]
+        np.testing.assert_array_equal(x[:, 1:][both], y[:, :-1][both])
+    expected = tokens.tolist() if bos is not None else tokens[1:].tolist()
+    assert scored == expected  # each token exactly once, in order
+    if bos is not None:
+        assert batches[0]["inputs"][0, 0] == bos
+
+
+def test_eval_windows_across_hosts():
+    tokens = np.arange(10, 1010, dtype=np.int32)
+    per_host = [list(eval_batches(tokens, 16, 4, bos_id=0, process_index=p, process_count=3)) for p in range(3)]
+    assert len({len(b) for b in per_host}) == 1  # same number of steps on every host
+    scored = sorted(v for bs in per_host for b in bs for v in b["targets"][b["targets"] != IGNORE_INDEX].tolist())
+    assert scored == tokens.tolist()
+
+
+def test_pipeline_errors():
+    tokens = np.arange(100, dtype=np.int32)
+    with pytest.raises(CorpusError, match="seq_len 100 needs at least 101 tokens, but the split has 100"):
+        make_train_iterator(tokens, 100, 2, seed=0)
+    with pytest.raises(CorpusError, match="nothing to evaluate"):
+        next(eval_batches(np.zeros(0, np.uint16), 8, 2))
+    with pytest.raises(CorpusError, match="process_index"):
+        make_train_iterator(tokens, 8, 2, seed=0, process_index=2, process_count=2)
+    with pytest.raises(CorpusError, match="1-D"):
+        make_train_iterator(tokens.reshape(10, 10), 4, 2, seed=0)
+
+
+def test_end_to_end_cache_to_batches(corpus_dir: Path, tmp_path: Path):
+    cache = build_token_cache(_spec(corpus_dir), tmp_path, tokenizer="byte", vocab_size=257)
+    train = cache.tokens("train")
+    it = make_train_iterator(train, 64, 8, seed=0)
+    b = next(it)
+    assert b["inputs"].shape == (8, 64) and b["inputs"].max() < cache.vocab_size
+    # Each row is a contiguous slice of the memmapped split.
+    flat = np.asarray(train, dtype=np.int32)
+    for row_x, row_y in zip(b["inputs"], b["targets"]):
+        starts = np.flatnonzero(flat[: flat.size - 64] == row_x[0])
+        assert any(np.array_equal(flat[s:s + 64], row_x) and np.array_equal(flat[s + 1:s + 65], row_y)
+                   for s in starts)
+    val = cache.tokens("validation")
+    scored = sum(int((bb["targets"] != IGNORE_INDEX).sum())
+                 for bb in eval_batches(val, 64, 8, bos_id=cache.eot_id))
+    assert scored == val.size == cache.manifest["splits"]["validation"]["tokens"]
