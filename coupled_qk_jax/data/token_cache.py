@@ -157,7 +157,7 @@ def _limited(docs: Iterator[str], max_bytes: int | None) -> Iterator[str]:
     for d in docs:
         if max_bytes is not None and used >= max_bytes:
             return
-        used += len(d)
+        used += len(d.encode("utf-8"))
         yield d
 
 
