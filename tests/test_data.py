@@ -420,3 +420,19 @@ def test_end_to_end_cache_to_batches(corpus_dir: Path, tmp_path: Path):
     scored = sum(int((bb["targets"] != IGNORE_INDEX).sum())
                  for bb in eval_batches(val, 64, 8, bos_id=cache.eot_id))
     assert scored == val.size == cache.manifest["splits"]["validation"]["tokens"]
+
+
+def test_gather_pickles_memmap_by_reference(tmp_path: Path):
+    """The batch gather must travel to grain worker processes without copying the split into the pickle."""
+    import pickle
+
+    from coupled_qk_jax.data.pipeline import _Gather
+
+    arr = np.arange(200_000, dtype=np.uint16)
+    arr.tofile(tmp_path / "t.bin")
+    mm = np.memmap(tmp_path / "t.bin", dtype=np.uint16, mode="r", shape=(200_000,))
+    blob = pickle.dumps(_Gather(mm, 8))
+    assert len(blob) < 10_000  # the 400 kB array is not inside
+    out = pickle.loads(blob)(np.array([5, 1000]))
+    np.testing.assert_array_equal(out["inputs"], np.stack([np.arange(5, 13), np.arange(1000, 1008)]))
+    np.testing.assert_array_equal(out["targets"], out["inputs"] + 1)
