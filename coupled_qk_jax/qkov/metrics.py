@@ -22,7 +22,8 @@ def relevant_mass(attn, mask):
 
     With mask = tokens > 9 this is the spec's "distinct-token attention".
     """
-    return jnp.sum(attn * jnp.asarray(mask, attn.dtype), axis=-1)
+    attn = jnp.asarray(attn)
+    return jnp.sum(attn * jnp.asarray(mask).astype(attn.dtype), axis=-1)
 
 
 def separability(attn, mask):

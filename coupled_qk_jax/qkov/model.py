@@ -140,12 +140,9 @@ def attention(params: Params, tokens: jax.Array) -> jax.Array:
     """
     x = jax.nn.one_hot(tokens, D, dtype=params[next(iter(params))].dtype)  # [B, T, D]
     xq = x[:, -1]  # [B, D]
-    if "W_QK" in params:
-        scores = jnp.einsum("bd,de,bte->bt", xq, params["W_QK"], x)
-    else:
-        q = xq @ params["W_Q"].T  # W_Q x_q, [B, D]
-        k = x @ params["W_K"].T  # W_K x_j, [B, T, D]
-        scores = jnp.einsum("bd,btd->bt", q, k)
+    # (W_Q x_q)^T (W_K x_j) = x_q^T (W_Q^T W_K) x_j: forming the 50x50 bilinear form first costs 125k MACs instead of
+    # projecting every position (B*T*2500), and the gradients w.r.t. W_Q, W_K are the same by the chain rule.
+    scores = jnp.einsum("bd,btd->bt", xq @ qk_matrix(params), x)
     return jax.nn.softmax(scores / math.sqrt(D), axis=-1)
 
 
