@@ -1,0 +1,110 @@
+"""Language-model experiments: `--config=configs/lm.py:VARIANT,SCALE`, e.g. `coupled_euler,tiny`.
+
+Every field is an ordinary ConfigDict entry that can be overridden on the command line
+(`--config.model.n_steps=3 --config.train.steps=200`). Variants: see coupled_qk_jax/config.py.
+
+Scales. `tiny` and `small` are ours, sized for 2 CPU cores. The paper's 60M/150M/350M shapes are not published;
+ours are GPT-2-style assumptions with vocab 50304 and context 1024 (parameter counts include the tied embedding):
+
+    scale   d_model layers heads d_ff   vocab  ctx   params (standard)
+    tiny    128     4      4     512    2048   256   ≈1.1M
+    small   256     8      4     1024   16384  256   ≈10.6M
+    60m     512     10     8     2048   50304  1024  ≈57.8M
+    150m    768     16     12    3072   50304  1024  ≈153M
+    350m    1024    24     16    4096   50304  1024  ≈355M
+
+Coupling MLP width: hidden = 3/4 · d_head. At 60m (d_head 64, hidden 48, one f per layer shared by its heads)
+the coupled variants add 10 · (2·64·48 + 48 + 64 + 8 Δt) = 62,640 parameters = 0.108% — the paper's 0.11%.
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+SCALES = {
+    #         d_model layers heads d_ff  vocab  max_len batch lr
+    "tiny": (128, 4, 4, 512, 2048, 256, 16, 3e-3),
+    "small": (256, 8, 4, 1024, 16384, 256, 16, 1e-3),
+    "60m": (512, 10, 8, 2048, 50304, 1024, 64, 6e-4),
+    "150m": (768, 16, 12, 3072, 50304, 1024, 64, 3e-4),
+    "350m": (1024, 24, 16, 4096, 50304, 1024, 64, 3e-4),
+}
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+    variant, _, scale = (arg or "standard,tiny").partition(",")
+    scale = scale or "tiny"
+    if scale not in SCALES:
+        raise ValueError(f"config arg: unknown scale {scale!r}; expected one of {sorted(SCALES)}")
+    d_model, n_layers, n_heads, d_ff, vocab, max_len, batch, lr = SCALES[scale]
+    head_dim = d_model // n_heads
+
+    cfg = ml_collections.ConfigDict()
+    cfg.scale = scale
+
+    cfg.model = ml_collections.ConfigDict(dict(
+        variant=variant,
+        vocab_size=vocab,
+        max_len=max_len,
+        d_model=d_model,
+        n_layers=n_layers,
+        n_heads=n_heads,
+        d_ff=d_ff,
+        n_steps=1,  # the paper: 1..7 steps perform the same; one suffices
+        # Δt starts at 0.1: the layer starts close to standard attention (exactly standard at 0) while the
+        # gradient reaching f (∝ Δt) is already non-negligible.
+        dt_init=0.1,
+        coupling_hidden=3 * head_dim // 4,
+        coupling_scope="layer",
+        per_head_params=False,
+        scan_unroll=1,
+        affine_hidden=3 * head_dim // 4,
+        affine_pairs=1,
+        positions="learned",
+        rope_base=10000.0,
+        norm="rmsnorm",
+        dropout=0.0,
+        dtype="float32",
+        remat="none",
+        attention_impl="auto",
+        init_std=0.02,
+    ))
+
+    cfg.data = ml_collections.ConfigDict(dict(
+        corpus="stdlib",  # stdlib | text_dir | wikitext103 | hf | mixture
+        path="",  # directory for text_dir / wikitext103
+        hf_name="", hf_config="", hf_field="text",
+        mixture="",  # "corpus:weight,..." for mixture
+        cache_dir="~/.cache/coupled_qk_jax",
+        tokenizer="bpe",  # bpe | byte
+        seq_len=max_len if scale in ("tiny", "small") else 1024,
+    ))
+
+    cfg.train = ml_collections.ConfigDict(dict(
+        steps=2000 if scale in ("tiny", "small") else 20000,
+        batch_size=batch,
+        grad_accum=1,
+        seed=0,
+        lr=lr,
+        warmup_steps=100,
+        min_lr_ratio=0.1,
+        weight_decay=0.1,
+        b1=0.9, b2=0.95, eps=1e-8,
+        grad_clip=1.0,
+        qk_lr_mult=1.0,  # multiplies the learning rate of W_Q and W_K (second seed paper's intervention)
+        ov_lr_mult=1.0,  # multiplies the learning rate of W_V and W_O
+        qk_mult_coupling=False,  # also apply qk_lr_mult to the coupling parameters (f and Δt)
+        log_every=25,
+        eval_every=500,
+        eval_batches=0,  # 0 = the whole validation split
+    ))
+
+    cfg.checkpoint = ml_collections.ConfigDict(dict(
+        every=250,
+        keep_last=2,
+        keep_every=0,  # also keep every N-th step permanently (0 = off)
+        async_save=True,
+    ))
+
+    cfg.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
+    return cfg

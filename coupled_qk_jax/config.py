@@ -1,0 +1,125 @@
+"""The model's configuration: one frozen dataclass, validated up front, and the variant-name grammar.
+
+A variant name is `QK_TRANSFORM` or `QK_TRANSFORM+differential`, where the QK transform is what q and k pass through
+before scoring and `differential` swaps softmax scoring for Differential Attention:
+
+    standard                  no transform, softmax scoring
+    coupled_euler             Euler coupled dynamics        (dynamics.euler_step)
+    coupled_leapfrog          leapfrog coupled dynamics     (dynamics.leapfrog_step)
+    mlp_only                  uncoupled MLP ablation        (dynamics.uncoupled_step)
+    affine                    RealNVP-style invertible affine coupling (invertible.py)
+    differential              no transform, Differential Attention scoring
+    coupled_euler+differential, affine+differential, ...   any transform with differential scoring
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+QK_TRANSFORMS = ("none", "coupled_euler", "coupled_leapfrog", "mlp_only", "affine")
+SCORINGS = ("softmax", "differential")
+# Dynamics method used by each dynamics-based transform.
+DYNAMICS_METHOD = {"coupled_euler": "euler", "coupled_leapfrog": "leapfrog", "mlp_only": "uncoupled"}
+
+ALL_VARIANTS = tuple(
+    ["standard", "coupled_euler", "coupled_leapfrog", "mlp_only", "affine", "differential"]
+    + [f"{t}+differential" for t in QK_TRANSFORMS if t != "none"]
+)
+
+
+def parse_variant(variant: str) -> tuple[str, str]:
+    """'coupled_euler+differential' -> ('coupled_euler', 'differential'); 'standard' -> ('none', 'softmax')."""
+    if variant == "standard":
+        return "none", "softmax"
+    if variant == "differential":
+        return "none", "differential"
+    transform, plus, scoring = variant.partition("+")
+    if transform not in QK_TRANSFORMS[1:] or (plus and scoring != "differential"):
+        raise ValueError(f"model.variant: unknown variant {variant!r}; expected one of {', '.join(ALL_VARIANTS)}")
+    return transform, "differential" if plus else "softmax"
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Every shape and switch of the decoder-only LM. Field names match `configs/lm.py`'s `model` block."""
+
+    variant: str = "standard"
+    vocab_size: int = 256
+    max_len: int = 128
+    d_model: int = 64
+    n_layers: int = 2
+    n_heads: int = 4  # the *baseline* head count; differential scoring uses n_heads // 2 heads of twice the width
+    d_ff: int = 256  # 0 removes the block MLP (attention-only models, e.g. MQAR)
+    # Coupled dynamics (coupled_euler / coupled_leapfrog / mlp_only).
+    n_steps: int = 1
+    dt_init: float = 0.1
+    coupling_hidden: int = 24
+    coupling_scope: str = "layer"  # "layer": one f per layer; "shared": one f for every layer
+    per_head_params: bool = False  # one f per head (stacked on a leading H axis) instead of one shared by all heads
+    scan_unroll: int = 1  # lax.scan unroll over the n dynamics steps
+    # Affine invertible coupling.
+    affine_hidden: int = 24
+    affine_pairs: int = 1
+    # Architecture.
+    positions: str = "learned"  # "learned" | "rope" | "none"
+    rope_base: float = 10000.0
+    norm: str = "rmsnorm"  # "rmsnorm" | "layernorm"
+    dropout: float = 0.0
+    dtype: str = "float32"  # compute dtype; params are always float32
+    remat: str = "none"  # "none" | "full" | "dots" (save matmul outputs) | "nothing_saveable"
+    attention_impl: str = "auto"  # "auto" | "xla" | "cudnn"
+    init_std: float = 0.02
+
+    def __post_init__(self):
+        parse_variant(self.variant)
+        _positive = ("vocab_size", "max_len", "d_model", "n_layers", "n_heads", "coupling_hidden", "affine_hidden",
+                     "affine_pairs", "scan_unroll")
+        for name in _positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"model.{name} must be an integer >= 1, got {value!r}")
+        if not isinstance(self.n_steps, int) or self.n_steps < 1:
+            raise ValueError(f"model.n_steps must be an integer >= 1, got {self.n_steps!r}")
+        if self.d_ff < 0:
+            raise ValueError(f"model.d_ff must be >= 0 (0 = no MLP), got {self.d_ff}")
+        if self.d_model % self.n_heads:
+            raise ValueError(f"model.d_model={self.d_model} is not divisible by model.n_heads={self.n_heads}")
+        _, scoring = parse_variant(self.variant)
+        if scoring == "differential" and self.n_heads % 2:
+            raise ValueError(
+                f"model.n_heads={self.n_heads} must be even for differential scoring "
+                "(each differential head splits into two half-heads of the baseline head dim)")
+        if self.positions == "rope" and self.head_dim % 2:
+            raise ValueError(f"model.positions='rope' needs an even head dim, got head_dim={self.head_dim}")
+        choices = {"coupling_scope": ("layer", "shared"), "positions": ("learned", "rope", "none"),
+                   "norm": ("rmsnorm", "layernorm"), "dtype": ("float32", "bfloat16", "float16"),
+                   "remat": ("none", "full", "dots", "nothing_saveable"), "attention_impl": ("auto", "xla", "cudnn")}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"model.{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"model.dropout must be in [0, 1), got {self.dropout}")
+        if self.per_head_params and self.coupling_scope == "shared":
+            raise ValueError("model.per_head_params=True is not supported with model.coupling_scope='shared'")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def qk_transform(self) -> str:
+        return parse_variant(self.variant)[0]
+
+    @property
+    def scoring(self) -> str:
+        return parse_variant(self.variant)[1]
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> "ModelConfig":
+        """Build from a ConfigDict/dict, refusing unknown fields by name."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"model: unknown field(s) {unknown}; known fields are {sorted(known)}")
+        return cls(**dict(values))

@@ -1,0 +1,152 @@
+"""A decoder-only language model whose attention layers come from attention.py (Flax NNX).
+
+    tokens [B, T] -> embed (+ learned positions) -> n_layers x Block -> final norm -> tied head -> logits [B, T, V]
+    Block: x + Attn(Norm(x)), then x + MLP(Norm(x))       (pre-norm, GELU MLP)
+
+Parameters are float32; activations run in `cfg.dtype` (bf16 on accelerators), logits are returned in float32.
+Randomness is explicit: dropout takes a key argument, so a step is a pure function of (params, batch, key), which is
+what makes resumed runs and seed-vmapped runs reproduce exactly.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from coupled_qk_jax.attention import CausalSelfAttention, CouplingMLP, const_param, normal_param, rms_norm
+from coupled_qk_jax.config import DYNAMICS_METHOD, ModelConfig
+
+Array = jax.Array
+
+REMAT_POLICIES = {
+    "full": None,  # save nothing but the block input: recompute the whole block in the backward pass
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "nothing_saveable": jax.checkpoint_policies.nothing_saveable,
+}
+
+
+class Norm(nnx.Module):
+    """RMSNorm or LayerNorm over the last axis, fp32 statistics."""
+
+    def __init__(self, cfg: ModelConfig):
+        self.kind = cfg.norm
+        self.scale = const_param((cfg.d_model,), 1.0, ("embed",))
+        if self.kind == "layernorm":
+            self.bias = const_param((cfg.d_model,), 0.0, ("embed",))
+
+    def __call__(self, x: Array) -> Array:
+        if self.kind == "rmsnorm":
+            return rms_norm(x, self.scale[...], eps=1e-6)
+        x32 = x.astype(jnp.float32)
+        mean = jnp.mean(x32, axis=-1, keepdims=True)
+        var = jnp.var(x32, axis=-1, keepdims=True)
+        return ((x32 - mean) * jax.lax.rsqrt(var + 1e-5) * self.scale[...] + self.bias[...]).astype(x.dtype)
+
+
+class MLP(nnx.Module):
+    """GELU feed-forward d_model -> d_ff -> d_model."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, key: Array):
+        path = f"layers/{layer_idx}/mlp"
+        out_std = cfg.init_std / (2 * cfg.n_layers) ** 0.5
+        self.w_in = normal_param(key, path + "/w_in", (cfg.d_model, cfg.d_ff), cfg.init_std, ("embed", "mlp"))
+        self.b_in = const_param((cfg.d_ff,), 0.0, ("mlp",))
+        self.w_out = normal_param(key, path + "/w_out", (cfg.d_ff, cfg.d_model), out_std, ("mlp", "embed"))
+        self.b_out = const_param((cfg.d_model,), 0.0, ("embed",))
+
+    def __call__(self, x: Array) -> Array:
+        dtype = x.dtype
+        h = jax.nn.gelu(x @ self.w_in[...].astype(dtype) + self.b_in[...].astype(dtype))
+        return h @ self.w_out[...].astype(dtype) + self.b_out[...].astype(dtype)
+
+
+def dropout(x: Array, rate: float, key: Array | None) -> Array:
+    if key is None or rate == 0.0:
+        return x
+    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+    return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, key: Array):
+        self.cfg = cfg
+        self.attn_norm = Norm(cfg)
+        self.attn = CausalSelfAttention(cfg, layer_idx, key)
+        if cfg.d_ff:
+            self.mlp_norm = Norm(cfg)
+            self.mlp = MLP(cfg, layer_idx, key)
+
+    def __call__(self, x, shared_coupling=None, dropout_key=None, collect: bool = False):
+        keys = (None, None) if dropout_key is None else tuple(jax.random.split(dropout_key))
+        out = self.attn(self.attn_norm(x), shared_coupling, collect=collect)
+        aux = None
+        if collect:
+            out, aux = out
+        x = x + dropout(out, self.cfg.dropout, keys[0])
+        if self.cfg.d_ff:
+            x = x + dropout(self.mlp(self.mlp_norm(x)), self.cfg.dropout, keys[1])
+        return (x, aux) if collect else x
+
+
+def _run_block(block: Block, x: Array, shared_coupling, dropout_key):
+    return block(x, shared_coupling, dropout_key)
+
+
+class TransformerLM(nnx.Module):
+    """Decoder-only LM. `TransformerLM(cfg, seed)`; `model(tokens)` -> float32 logits [B, T, vocab_size]."""
+
+    def __init__(self, cfg: ModelConfig, seed: int | Array = 0):
+        self.cfg = cfg
+        key = jax.random.key(seed) if isinstance(seed, int) else seed
+        self.embed = normal_param(key, "embed", (cfg.vocab_size, cfg.d_model), cfg.init_std, ("vocab", "embed"))
+        if cfg.positions == "learned":
+            self.pos_embed = normal_param(key, "pos_embed", (cfg.max_len, cfg.d_model), cfg.init_std,
+                                          (None, "embed"))
+        if cfg.qk_transform in DYNAMICS_METHOD and cfg.coupling_scope == "shared":
+            self.shared_coupling = CouplingMLP(cfg, key, "shared_coupling")
+        self.blocks = nnx.List([Block(cfg, i, key) for i in range(cfg.n_layers)])
+        self.final_norm = Norm(cfg)
+
+    def __call__(self, tokens: Array, *, dropout_key: Array | None = None, collect: bool = False):
+        """tokens: int [B, T] with T <= max_len. Returns logits [B, T, V] (float32), plus a list of per-layer
+        intermediates (q/k before and after the transform, the attention matrix, Δt) when `collect=True`."""
+        cfg = self.cfg
+        t = tokens.shape[-1]
+        if t > cfg.max_len:
+            raise ValueError(f"sequence length {t} exceeds model.max_len={cfg.max_len}")
+        dtype = jnp.dtype(cfg.dtype)
+        x = jnp.take(self.embed[...], tokens, axis=0)
+        if cfg.positions == "learned":
+            x = x + self.pos_embed[...][:t]
+        x = x.astype(dtype)
+        keys = [None] * (cfg.n_layers + 1)
+        if dropout_key is not None and cfg.dropout > 0:
+            keys = list(jax.random.split(dropout_key, cfg.n_layers + 1))
+        x = dropout(x, cfg.dropout, keys[-1])
+        shared = getattr(self, "shared_coupling", None)
+        collected = []
+        run = _run_block
+        if cfg.remat != "none" and not collect:
+            run = nnx.remat(_run_block, policy=REMAT_POLICIES[cfg.remat])
+        for i, block in enumerate(self.blocks):
+            if collect:
+                x, aux = block(x, shared, keys[i], collect=True)
+                collected.append(aux)
+            else:
+                x = run(block, x, shared, keys[i])
+        x = self.final_norm(x)
+        # Tied head: logits = x @ E^T, accumulated in float32.
+        logits = jnp.einsum("btd,vd->btv", x, self.embed[...].astype(dtype), preferred_element_type=jnp.float32)
+        return (logits, collected) if collect else logits
+
+
+def count_params(model: nnx.Module) -> int:
+    """Number of trainable scalars (every nnx.Param)."""
+    return sum(int(x.size) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+
+def abstract_param_count(cfg: ModelConfig) -> int:
+    """Parameter count without allocating anything (safe for the 350m shape on a laptop)."""
+    shapes = nnx.eval_shape(lambda: TransformerLM(cfg, 0))
+    return sum(int(x.size) for x in jax.tree.leaves(nnx.state(shapes, nnx.Param)))

@@ -1,0 +1,215 @@
+"""The attention family inside the LM: equivalences, causality, DiffAttn, dtypes, parameter counts, bad configs."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from configs import lm
+from coupled_qk_jax.attention import CausalSelfAttention, lambda_init
+from coupled_qk_jax.config import ALL_VARIANTS, DYNAMICS_METHOD, ModelConfig
+from coupled_qk_jax.model import TransformerLM, abstract_param_count, count_params
+
+SMALL = dict(vocab_size=61, max_len=16, d_model=32, n_layers=2, n_heads=4, d_ff=64, coupling_hidden=8,
+             affine_hidden=8)
+
+
+def make(variant, **overrides):
+    return TransformerLM(ModelConfig(variant=variant, **{**SMALL, **overrides}), seed=0)
+
+
+def randomize_transforms(model, seed=0):
+    """Give every coupling/affine output layer and Δt non-trivial values, so that the transforms really act."""
+    rng = np.random.default_rng(seed)
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        name = "/".join(map(str, path))
+        if any(tag in name for tag in ("coupling", "affine")) and ("w2" in name or "b2" in name):
+            var.set_value(jnp.asarray(0.3 * rng.normal(size=var.get_value().shape), jnp.float32))
+        if name.endswith("dt"):
+            var.set_value(jnp.asarray(rng.uniform(0.1, 0.4, size=var.get_value().shape), jnp.float32))
+    return model
+
+
+def set_dt(model, value):
+    for blk in model.blocks:
+        blk.attn.dt[...] = jnp.full_like(blk.attn.dt[...], value)
+
+
+TOKENS = jax.random.randint(jax.random.key(3), (2, 12), 0, SMALL["vocab_size"])
+
+
+@pytest.mark.parametrize("transform", ["coupled_euler", "coupled_leapfrog", "mlp_only"])
+@pytest.mark.parametrize("scoring", ["", "+differential"])
+def test_dt_zero_gives_the_standard_layer(transform, scoring):
+    base = make("standard" if not scoring else "differential")
+    model = randomize_transforms(make(transform + scoring))
+    set_dt(model, 0.0)
+    np.testing.assert_allclose(model(TOKENS), base(TOKENS), rtol=1e-6, atol=1e-6)
+    set_dt(model, 0.3)  # and with Δt ≠ 0 the transform changes the output
+    assert float(jnp.max(jnp.abs(model(TOKENS) - base(TOKENS)))) > 1e-4
+
+
+@pytest.mark.parametrize("scoring", ["", "+differential"])
+def test_affine_at_identity_init_gives_the_standard_layer(scoring):
+    base = make("standard" if not scoring else "differential")
+    np.testing.assert_allclose(make("affine" + scoring)(TOKENS), base(TOKENS), rtol=1e-6, atol=1e-6)
+
+
+def test_shared_coupling_scope_and_per_head_params():
+    shared = make("coupled_euler", coupling_scope="shared")
+    per_layer = make("coupled_euler")
+    per_head = make("coupled_euler", per_head_params=True)
+    mlp = 2 * (32 // 4) * 8 + 8 + 8  # w1 + b1 + w2 + b2 at head_dim 8, hidden 8
+    base = count_params(make("standard"))
+    assert count_params(per_layer) - base == 2 * (mlp + 4)
+    assert count_params(shared) - base == mlp + 2 * 4
+    assert count_params(per_head) - base == 2 * (4 * mlp + 4)
+    for m in (shared, per_head):
+        assert np.isfinite(np.asarray(randomize_transforms(m)(TOKENS))).all()
+
+
+@pytest.mark.parametrize("variant", ALL_VARIANTS)
+def test_causality(variant):
+    model = randomize_transforms(make(variant, positions="rope" if "leapfrog" in variant else "learned"))
+    t = 6
+    changed = TOKENS.at[:, t + 1:].set((TOKENS[:, t + 1:] + 7) % SMALL["vocab_size"])
+    a, b = model(TOKENS), model(changed)
+    np.testing.assert_allclose(a[:, :t + 1], b[:, :t + 1], rtol=1e-5, atol=1e-5)
+    assert float(jnp.max(jnp.abs(a[:, t + 1:] - b[:, t + 1:]))) > 1e-4
+
+
+def test_lambda_init_table():
+    table = [0.200000, 0.355509, 0.470713, 0.556058, 0.619283, 0.666122, 0.700821, 0.726526]
+    np.testing.assert_allclose([lambda_init(i) for i in range(8)], table, atol=1e-6)
+
+
+def test_differential_parameter_count_identity():
+    cfg = dict(SMALL, n_heads=8, d_model=64)
+    std = CausalSelfAttention(ModelConfig(variant="standard", **cfg), 0, jax.random.key(0))
+    diff = CausalSelfAttention(ModelConfig(variant="differential", **cfg), 0, jax.random.key(0))
+    d = 64 // 8  # half-head dim = the 8-head baseline's head dim
+    n_std, n_diff = count_params(std), count_params(diff)
+    print(f"MHA(64, 8 heads) = {n_std}, DiffAttn(64, 4 heads) = {n_diff}")
+    assert n_std == 4 * 64 * 64
+    assert n_diff == n_std + 6 * d
+
+
+def naive_diffattn(x, attn: CausalSelfAttention):
+    """Float64 numpy reference of specs/diffattn.md §2, one head at a time."""
+    p = {n: np.asarray(getattr(attn, n)[...], np.float64) for n in
+         ("wq", "wk", "wv", "wo", "lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2", "subln_scale")}
+    x = np.asarray(x, np.float64)
+    b, t, _ = x.shape
+    h, dh = p["wq"].shape[1:]
+    q, k, v = (np.einsum("btd,dhk->bthk", x, p[n]) for n in ("wq", "wk", "wv"))
+    li = attn.lambda_init
+    lam = np.exp(p["lambda_q1"] @ p["lambda_k1"]) - np.exp(p["lambda_q2"] @ p["lambda_k2"]) + li
+    mask = np.tril(np.ones((t, t), bool))
+    out = np.zeros((b, t, h // 2, 2 * dh))
+    for head in range(h // 2):
+        a = []
+        for half in range(2):
+            s = np.einsum("bqd,bkd->bqk", q[:, :, 2 * head + half], k[:, :, 2 * head + half]) / np.sqrt(dh)
+            s = np.where(mask, s, -np.inf)
+            e = np.exp(s - s.max(-1, keepdims=True))
+            a.append(e / e.sum(-1, keepdims=True))
+        vh = v[:, :, 2 * head:2 * head + 2].reshape(b, t, 2 * dh)
+        o = np.einsum("bqk,bke->bqe", a[0] - lam * a[1], vh)
+        o = o / np.sqrt(np.mean(o ** 2, -1, keepdims=True) + 1e-5) * p["subln_scale"]
+        out[:, :, head] = (1 - li) * o
+    return np.einsum("bthk,hkd->btd", out.reshape(b, t, h, dh), p["wo"])
+
+
+def test_differential_fast_forms_match_naive_reference():
+    cfg = ModelConfig(variant="differential", **SMALL)
+    attn = CausalSelfAttention(cfg, 3, jax.random.key(1))
+    x = jax.random.normal(jax.random.key(2), (2, 10, cfg.d_model))
+    ref = naive_diffattn(x, attn)
+    np.testing.assert_allclose(attn(x), ref, rtol=1e-4, atol=1e-5)  # explicit form (CPU default)
+    q = jnp.einsum("btd,dhk->bthk", x, attn.wq[...])
+    k = jnp.einsum("btd,dhk->bthk", x, attn.wk[...])
+    v = jnp.einsum("btd,dhk->bthk", x, attn.wv[...])
+    virtual = attn._differential_scores(q, k, v, "xla", form="virtual_heads")
+    explicit = attn._differential_scores(q, k, v, "xla", form="explicit")
+    np.testing.assert_allclose(virtual, explicit, rtol=1e-5, atol=1e-5)
+    # λ at init: exactly λ_init with zero λ vectors
+    for n in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
+        getattr(attn, n)[...] = jnp.zeros_like(getattr(attn, n)[...])
+    assert float(attn.lambda_value()) == pytest.approx(lambda_init(3), abs=1e-7)
+
+
+def _loss(model, tokens):
+    logits = model(tokens[:, :-1])
+    logp = jax.nn.log_softmax(logits)
+    return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], -1))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_every_variant_compiles_with_finite_loss_and_grads(dtype):
+    for variant in ALL_VARIANTS:
+        model = make(variant, dtype=dtype, remat="full" if variant == "coupled_euler" else "none")
+        loss, grads = nnx.jit(nnx.value_and_grad(_loss))(model, TOKENS)
+        assert np.isfinite(float(loss)), variant
+        leaves = jax.tree.leaves(grads)
+        assert all(np.isfinite(np.asarray(g, np.float32)).all() for g in leaves), variant
+        assert all(g.dtype == jnp.float32 for g in leaves), variant  # params stay fp32
+        # a freshly initialised LM predicts close to uniform: loss ≈ log(V)
+        assert abs(float(loss) - math.log(SMALL["vocab_size"])) < 1.0, (variant, float(loss))
+
+
+def expected_standard_params(c: ModelConfig) -> int:
+    """Hand count: embeddings + per layer (4 D² attention, 2 D F + F + D MLP, 2 D norms) + final norm."""
+    d, f = c.d_model, c.d_ff
+    per_layer = 4 * d * d + 2 * d * f + f + d + 2 * d
+    return c.vocab_size * d + c.max_len * d + c.n_layers * per_layer + d
+
+
+def test_parameter_counts_per_scale():
+    for scale in lm.SCALES:
+        counts = {v: abstract_param_count(ModelConfig.from_dict(lm.get_config(f"{v},{scale}").model))
+                  for v in ("standard", "coupled_euler", "coupled_leapfrog", "mlp_only", "affine", "differential")}
+        cfg = ModelConfig.from_dict(lm.get_config(f"standard,{scale}").model)
+        assert counts["standard"] == expected_standard_params(cfg)
+        assert counts["coupled_euler"] == counts["coupled_leapfrog"] == counts["mlp_only"]
+        extra = (counts["coupled_euler"] - counts["standard"]) / counts["standard"]
+        print(f"{scale}: " + ", ".join(f"{v}={n:,}" for v, n in counts.items()) + f"; coupled extra {extra:.4%}")
+        if scale == "60m":
+            assert 0.0009 <= extra <= 0.0013
+    assert 0.9e6 < expected_standard_params(ModelConfig.from_dict(lm.get_config("standard,tiny").model)) < 1.5e6
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("variant", "coupled_rk4", "model.variant"),
+    ("d_model", 30, "divisible"),
+    ("n_steps", 0, "model.n_steps"),
+    ("positions", "alibi", "model.positions"),
+    ("dtype", "float64", "model.dtype"),
+    ("dropout", 1.5, "model.dropout"),
+])
+def test_bad_config_raises_named_error(field, value, match):
+    with pytest.raises(ValueError, match=match):
+        ModelConfig(**{**SMALL, field: value})
+
+
+def test_bad_config_differential_head_split_and_unknown_field():
+    with pytest.raises(ValueError, match="n_heads=3 must be even"):
+        ModelConfig(variant="differential", **{**SMALL, "n_heads": 3, "d_model": 33})
+    with pytest.raises(ValueError, match="unknown field"):
+        ModelConfig.from_dict({"variant": "standard", "n_step": 2})
+    with pytest.raises(ValueError, match="max_len"):
+        make("standard")(jnp.zeros((1, 17), jnp.int32))
+
+
+def test_collect_returns_diagnostics_inputs():
+    model = randomize_transforms(make("coupled_euler"))
+    logits, layers = model(TOKENS, collect=True)
+    np.testing.assert_allclose(logits, model(TOKENS), rtol=1e-6, atol=1e-6)
+    assert len(layers) == SMALL["n_layers"]
+    attn = np.asarray(layers[0]["attn"])
+    assert attn.shape == (2, 4, 12, 12)
+    np.testing.assert_allclose(attn.sum(-1), 1.0, atol=1e-5)
+    assert np.allclose(np.triu(attn, 1), 0.0)
+    assert layers[0]["dt"].shape == (4,)
