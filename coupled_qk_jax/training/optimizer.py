@@ -1,0 +1,100 @@
+"""The optimiser: AdamW with linear warm-up + cosine decay, global-norm clipping, a weight-decay mask and
+per-circuit learning-rate multipliers (optax).
+
+Parameter groups are read off the parameter path (a pure dict from `nnx.to_pure_dict`):
+
+    qk        W_Q, W_K                          lr × train.qk_lr_mult
+    ov        W_V, W_O                          lr × train.ov_lr_mult
+    coupling  f's params and Δt (coupled / mlp_only), the affine nets   lr × qk_lr_mult if train.qk_mult_coupling
+    other     everything else                   lr
+
+A group's multiplier scales that group's whole AdamW update (Adam direction and decoupled decay alike), which is
+exactly a per-group learning rate; a multiplier of 0 freezes the group. Weight decay applies to matrices only:
+norms, biases, Δt and DiffAttn's λ vectors are not decayed.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, NamedTuple
+
+import jax
+import optax
+
+QK_NAMES = {"wq", "wk"}
+OV_NAMES = {"wv", "wo"}
+COUPLING_PARENTS = {"coupling", "shared_coupling", "affine"}
+DECAYED_NAMES = {"wq", "wk", "wv", "wo", "w_in", "w_out", "w1", "w2", "embed", "pos_embed",
+                 "q_net_w1", "q_net_w2", "k_net_w1", "k_net_w2"}
+
+
+def _names(path) -> list[str]:
+    return [str(getattr(p, "key", getattr(p, "idx", p))) for p in path]
+
+
+def param_group(path) -> str:
+    names = _names(path)
+    leaf = names[-1]
+    if leaf in QK_NAMES:
+        return "qk"
+    if leaf in OV_NAMES:
+        return "ov"
+    if leaf == "dt" or COUPLING_PARENTS.intersection(names[:-1]):
+        return "coupling"
+    return "other"
+
+
+def param_groups(params: Any) -> Any:
+    """A tree of group labels ('qk' | 'ov' | 'coupling' | 'other') with the structure of `params`."""
+    return jax.tree_util.tree_map_with_path(lambda path, _: param_group(path), params)
+
+
+def decay_mask(params: Any) -> Any:
+    """True where weight decay applies: weight matrices and embeddings, never norms, biases, Δt or λ."""
+    return jax.tree_util.tree_map_with_path(lambda path, _: _names(path)[-1] in DECAYED_NAMES, params)
+
+
+def lr_multipliers(params: Any, train_cfg: Mapping[str, Any]) -> Any:
+    qk, ov = float(train_cfg["qk_lr_mult"]), float(train_cfg["ov_lr_mult"])
+    coupling = qk if train_cfg.get("qk_mult_coupling", False) else 1.0
+    table = {"qk": qk, "ov": ov, "coupling": coupling, "other": 1.0}
+    return jax.tree.map(lambda group: table[group], param_groups(params))
+
+
+class _EmptyState(NamedTuple):
+    pass
+
+
+def scale_by_tree(multipliers: Any) -> optax.GradientTransformation:
+    """Multiply each update leaf by a fixed Python float (stateless)."""
+
+    def init(params):
+        del params
+        return _EmptyState()
+
+    def update(updates, state, params=None):
+        del params
+        return jax.tree.map(lambda u, m: u if m == 1.0 else u * m, updates, multipliers), state
+
+    return optax.GradientTransformation(init, update)
+
+
+def learning_rate_schedule(train_cfg: Mapping[str, Any]) -> optax.Schedule:
+    lr, steps = float(train_cfg["lr"]), int(train_cfg["steps"])
+    warmup = min(int(train_cfg["warmup_steps"]), max(steps - 1, 0))
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=lr, warmup_steps=warmup, decay_steps=max(steps, warmup + 1),
+        end_value=lr * float(train_cfg["min_lr_ratio"]))
+
+
+def make_optimizer(params: Any, train_cfg: Mapping[str, Any]) -> optax.GradientTransformation:
+    """clip_by_global_norm -> adamw(schedule, decay mask) -> per-group multipliers."""
+    for name in ("qk_lr_mult", "ov_lr_mult"):
+        if float(train_cfg[name]) < 0:
+            raise ValueError(f"train.{name} must be >= 0, got {train_cfg[name]}")
+    return optax.chain(
+        optax.clip_by_global_norm(float(train_cfg["grad_clip"])),
+        optax.adamw(learning_rate_schedule(train_cfg), b1=float(train_cfg["b1"]), b2=float(train_cfg["b2"]),
+                    eps=float(train_cfg["eps"]), weight_decay=float(train_cfg["weight_decay"]),
+                    mask=decay_mask(params)),
+        scale_by_tree(lr_multipliers(params, train_cfg)),
+    )

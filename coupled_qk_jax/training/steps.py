@@ -1,0 +1,94 @@
+"""Pure train and eval steps over (graphdef, params) — the functional NNX loop.
+
+A train state is a plain dict {"params", "opt_state", "step"}: params are `nnx.to_pure_dict` of the model's Params
+(the model has no other state: dropout keys are explicit), so orbax, jax.sharding and jax.vmap all see ordinary
+pytrees. `nnx.merge(graphdef, params)` rebuilds the module inside the jitted function.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from coupled_qk_jax.model import TransformerLM
+
+IGNORE_INDEX = -100
+
+
+def masked_cross_entropy(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Summed token NLL and token count, ignoring targets == -100. logits [B, T, V] fp32, targets [B, T]."""
+    valid = targets != IGNORE_INDEX
+    nll = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), jnp.where(valid, targets, 0))
+    return jnp.sum(nll * valid), jnp.sum(valid)
+
+
+def split_model(model: TransformerLM) -> tuple[nnx.GraphDef, dict]:
+    graphdef, state = nnx.split(model)
+    return graphdef, nnx.to_pure_dict(state)
+
+
+def init_train_state(params: dict, tx: optax.GradientTransformation) -> dict:
+    return {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32)}
+
+
+def make_loss_fn(graphdef: nnx.GraphDef) -> Callable:
+    def loss_fn(params, batch, dropout_key=None):
+        model = nnx.merge(graphdef, params)
+        nll_sum, count = masked_cross_entropy(model(batch["inputs"], dropout_key=dropout_key), batch["targets"])
+        return nll_sum / jnp.maximum(count, 1), (nll_sum, count)
+
+    return loss_fn
+
+
+def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, grad_accum: int = 1,
+                    use_dropout: bool = False) -> Callable:
+    """train_step(state, batch, key) -> (state, metrics). batch: {"inputs", "targets"} [grad_accum * B, T].
+
+    With grad_accum > 1 the batch is split into that many micro-batches, scanned, and their token-weighted gradients
+    averaged before one optimiser update (so the update equals the one of the full batch).
+    """
+    loss_fn = make_loss_fn(graphdef)
+
+    def sum_loss(params, batch, key):
+        loss, (nll_sum, count) = loss_fn(params, batch, key if use_dropout else None)
+        return nll_sum, count
+
+    def grads_and_loss(params, batch, key):
+        (nll_sum, count), grads = jax.value_and_grad(sum_loss, has_aux=True)(params, batch, key)
+        return grads, count, nll_sum
+
+    def train_step(state, batch, key):
+        params = state["params"]
+        if grad_accum == 1:
+            grads, count, nll_sum = grads_and_loss(params, batch, key)
+        else:
+            micro = jax.tree.map(lambda x: x.reshape((grad_accum, -1) + x.shape[1:]), batch)
+
+            def body(carry, xs):
+                g, c, l = grads_and_loss(params, *xs)
+                return jax.tree.map(jnp.add, carry, (g, c, l)), None
+
+            zeros = (jax.tree.map(jnp.zeros_like, params), jnp.zeros((), jnp.int32), jnp.zeros((), jnp.float32))
+            (grads, count, nll_sum), _ = jax.lax.scan(body, zeros, (micro, jax.random.split(key, grad_accum)))
+        denom = jnp.maximum(count, 1).astype(jnp.float32)
+        grads = jax.tree.map(lambda g: g / denom, grads)
+        updates, opt_state = tx.update(grads, state["opt_state"], params)
+        new_params = optax.apply_updates(params, updates)
+        metrics = {"loss": nll_sum / denom, "tokens": count, "grad_norm": optax.global_norm(grads)}
+        return {"params": new_params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
+
+    return train_step
+
+
+def make_eval_step(graphdef: nnx.GraphDef) -> Callable:
+    """eval_step(params, batch) -> (summed NLL, token count) over targets != -100."""
+    loss_fn = make_loss_fn(graphdef)
+
+    def eval_step(params, batch):
+        return loss_fn(params, batch)[1]
+
+    return eval_step
