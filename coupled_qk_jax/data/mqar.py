@@ -78,7 +78,9 @@ def check_config(
     if input_seq_len % 2 != 0:
         raise ValueError(f"input_seq_len must be even, got {input_seq_len}")
     if vocab_size <= input_seq_len:
-        raise ValueError(f"vocab_size must be > input_seq_len, got vocab_size={vocab_size}, input_seq_len={input_seq_len}")
+        raise ValueError(
+            f"vocab_size must be > input_seq_len, got vocab_size={vocab_size}, input_seq_len={input_seq_len}"
+        )
     need = 2 * num_kv_pairs * num_passes + 2 * num_kv_pairs
     if need > input_seq_len:
         raise ValueError(
