@@ -191,8 +191,13 @@ class TrainResult:
     seconds: float
 
 
-def train(cfg: TrainConfig, log_every: int = 0, log: Callable[[str], None] = print) -> TrainResult:
-    """Train all runs of a cell. Each seed's data stream is ``RandomState(seed)``."""
+def train(cfg: TrainConfig, log_every: int = 0, log: Callable[[str], None] = print,
+          callback: Callable[[int, dict], None] | None = None) -> TrainResult:
+    """Train all runs of a cell. Each seed's data stream is ``RandomState(seed)``.
+
+    ``callback(epoch, params)`` (optional) is called with the stacked params after every epoch (epoch is 1-based)
+    and once before training with epoch 0.
+    """
     cfg.validate()
     params, opt, opt_state = init_runs(cfg)
     shared = cfg.fixed_alpha is not None
@@ -212,6 +217,8 @@ def train(cfg: TrainConfig, log_every: int = 0, log: Callable[[str], None] = pri
 
     # Host data generation (numpy, mostly GIL-free) runs in a worker thread one epoch ahead of the jitted epoch, so
     # the two overlap on a 2-core machine. The RNG streams are consumed in the same order as a sequential loop.
+    if callback is not None:
+        callback(0, params)
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
     next_data = pool.submit(make_epoch_data)
     for ep in range(cfg.n_epochs):
@@ -226,6 +233,8 @@ def train(cfg: TrainConfig, log_every: int = 0, log: Callable[[str], None] = pri
             newly = active & (ep_loss <= cfg.stop_loss)
             stopped[newly] = ep + 1
             active &= ~newly
+        if callback is not None:
+            callback(ep + 1, params)
         if log_every and ((ep + 1) % log_every == 0 or ep == 0):
             log(f"  epoch {ep + 1}/{cfg.n_epochs} loss {np.array2string(ep_loss, precision=4)} "
                 f"mass {np.array2string(mhist[:, ep], precision=3)} ({time.time() - t0:.1f}s)")
