@@ -1,0 +1,354 @@
+"""Attention-variant training-step benchmark: step time, tokens/s, compile time, memory, MFU, ratio to standard.
+
+    python benchmarks/bench_attention.py --scales tiny --variants standard,coupled_euler --out FILE.json
+
+Every record is one (variant, scale, options) point of the *full* training step (forward, backward, clipping, AdamW:
+`training.steps.make_train_step` + `training.optimizer.make_optimizer`, jitted with the train state donated). All
+variants of a scale are compiled first and then timed in interleaved rounds (A B C A B C ...), so that a change in
+machine load hits every variant alike; the reported step time is the median over all timed steps, and the ratio to
+`standard` is taken between medians measured in the same process. The load average is recorded with each record.
+
+MFU. Model FLOPs per step = 6 · params · tokens + 12 · layers · T² · d_model · batch (the attention term, forward and
+backward). On CPU the denominator is the machine's own matmul roofline: the fp32 FLOP/s of a 2048×2048 @ 2048×2048
+`jnp.dot`, measured inside every round (so it sees the same load as the steps); on GPU/TPU pass `--peak_tflops`.
+
+Variant specs may carry options after a colon, e.g. `coupled_euler:n_steps=7:scan_unroll=7` or
+`standard:remat=dots`; any ModelConfig field can be set this way (values are parsed as Python literals).
+
+Memory. `peak_mem_mb` is XLA's own accounting of the compiled step (arguments + outputs + temporaries − aliased,
+from `compiled.memory_analysis()`), which is per variant even when several share one process; the device's
+`peak_bytes_in_use` (process-wide) and the process RSS high-water mark (`resource.getrusage`) are recorded beside it.
+
+`--seed_parallel S` adds the seed-parallel comparison: S seeds of the first variant as one `jax.vmap`-ed step
+against S sequential single-seed steps (records with variant `<v>@vmapS` and `<v>@seqS`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import os
+import platform
+import resource
+import statistics
+import sys
+import time
+from typing import Any, Callable
+
+# Runnable from a checkout without installing the package: the repository root goes first on the path.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from configs import lm  # noqa: E402
+from coupled_qk_jax.config import ModelConfig  # noqa: E402
+from coupled_qk_jax.model import TransformerLM, count_params  # noqa: E402
+from coupled_qk_jax.training.optimizer import make_optimizer  # noqa: E402
+from coupled_qk_jax.training.steps import init_train_state, make_train_step, split_model  # noqa: E402
+
+
+# ---------------------------------------------------------------------------------------------------------- helpers
+def parse_variant_spec(spec: str) -> tuple[str, dict[str, Any]]:
+    """'coupled_euler:n_steps=7:scan_unroll=7' -> ('coupled_euler', {'n_steps': 7, 'scan_unroll': 7})."""
+    name, *opts = spec.split(":")
+    overrides: dict[str, Any] = {}
+    for opt in opts:
+        key, _, value = opt.partition("=")
+        try:
+            overrides[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            overrides[key] = value  # a bare string such as remat=dots
+    return name, overrides
+
+
+def load() -> float:
+    """1-minute load average (the machine is shared; every measurement carries it)."""
+    return os.getloadavg()[0]
+
+
+def rss_peak_mb() -> float:
+    # ru_maxrss is in KiB on Linux, bytes on macOS.
+    scale = 1.0 if platform.system() == "Darwin" else 1024.0
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / 2**20
+
+
+def device_peak_mb() -> float | None:
+    stats = jax.devices()[0].memory_stats()
+    if not stats or "peak_bytes_in_use" not in stats:
+        return None
+    return stats["peak_bytes_in_use"] / 2**20
+
+
+def compiled_mem_mb(compiled) -> float | None:
+    """XLA's memory accounting for one compiled executable (per variant, unlike process-wide counters)."""
+    try:
+        m = compiled.memory_analysis()
+    except Exception:  # not every backend/version implements it
+        return None
+    if m is None:
+        return None
+    total = (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+             - getattr(m, "alias_size_in_bytes", 0))
+    return total / 2**20
+
+
+def model_flops_per_step(n_params: int, cfg: ModelConfig, batch: int, seq: int) -> float:
+    """6·N·tokens + 12·layers·T²·d_model·batch (the issue's definition; forward + backward)."""
+    return 6.0 * n_params * batch * seq + 12.0 * cfg.n_layers * seq * seq * cfg.d_model * batch
+
+
+class Roofline:
+    """fp32 FLOP/s of an n×n @ n×n jnp.dot, sampled repeatedly so that it sees the same load as the steps."""
+
+    def __init__(self, n: int = 2048, dtype=jnp.float32):
+        self.n = n
+        k1, k2 = jax.random.split(jax.random.key(0))
+        self.a = jax.random.normal(k1, (n, n), dtype)
+        self.b = jax.random.normal(k2, (n, n), dtype)
+        self.dot = jax.jit(jnp.dot)
+        self.dot(self.a, self.b).block_until_ready()  # compile + warm
+        self.samples: list[float] = []
+
+    def sample(self, reps: int = 2) -> None:
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            self.dot(self.a, self.b).block_until_ready()
+            self.samples.append(2.0 * self.n**3 / (time.perf_counter() - t0))
+
+    @property
+    def flops(self) -> float:
+        # The median, like the step time: both are sampled in the same interleaved rounds, so they see the same load.
+        return statistics.median(self.samples)
+
+    @property
+    def best(self) -> float:
+        # The best sample: the machine's capability under the least interference (a conservative MFU denominator).
+        return max(self.samples)
+
+
+# ----------------------------------------------------------------------------------------------------- one variant
+class Case:
+    """One compiled training step of one (variant, options) at one scale, with its own donated train state."""
+
+    def __init__(self, spec: str, scale: str, args: argparse.Namespace, seeds: int = 0):
+        self.spec, self.scale = spec, scale
+        variant, overrides = parse_variant_spec(spec)
+        cfg = lm.get_config(f"{variant},{scale}")
+        model_fields = dict(cfg.model)
+        for name in ("n_steps", "scan_unroll", "remat", "dtype", "attention_impl"):
+            value = getattr(args, name)
+            if value is not None:
+                model_fields[name] = value
+        model_fields.update(overrides)
+        self.batch = args.batch or cfg.train.batch_size
+        self.seq = args.seq or cfg.model.max_len
+        model_fields["max_len"] = max(model_fields["max_len"], self.seq)
+        self.cfg = ModelConfig.from_dict(model_fields)
+        train_cfg = dict(cfg.train)
+
+        model = TransformerLM(self.cfg, 0)
+        self.n_params = count_params(model)
+        graphdef, params = split_model(model)
+        del model
+        tx = make_optimizer(params, train_cfg)
+        step = make_train_step(graphdef, tx)
+
+        rng = np.random.default_rng(0)
+        lead = (seeds,) if seeds else ()
+        tokens = rng.integers(0, self.cfg.vocab_size, size=lead + (self.batch, self.seq + 1), dtype=np.int32)
+        self.batch_arrays = {"inputs": jnp.asarray(tokens[..., :-1]), "targets": jnp.asarray(tokens[..., 1:])}
+        if seeds:
+            # S independent train states stacked on a leading axis; one vmapped step trains them all.
+            states = [init_train_state(split_model(TransformerLM(self.cfg, s))[1], tx) for s in range(seeds)]
+            self.state = jax.tree.map(lambda *xs: jnp.stack(xs), *states)
+            self.key = jax.random.split(jax.random.key(0), seeds)
+            fn: Callable = jax.vmap(step)
+        else:
+            self.state = init_train_state(params, tx)
+            self.key = jax.random.key(0)
+            fn = step
+        self.tokens_per_step = self.batch * self.seq * max(seeds, 1)
+        self.flops_per_step = model_flops_per_step(self.n_params, self.cfg, self.batch, self.seq) * max(seeds, 1)
+
+        jitted = jax.jit(fn, donate_argnums=0)
+        t0 = time.perf_counter()
+        lowered = jitted.lower(self.state, self.batch_arrays, self.key)
+        t1 = time.perf_counter()
+        self.compiled = lowered.compile()
+        t2 = time.perf_counter()
+        self.lower_s, self.compile_s = t1 - t0, t2 - t1
+        self.mem_mb = compiled_mem_mb(self.compiled)
+        self.times: list[float] = []
+        self.loads: list[float] = []
+        self.run(2, record=False)  # warm-up: first-touch allocations, thread-pool start
+
+    def run(self, n: int, record: bool = True) -> None:
+        for _ in range(n):
+            t0 = time.perf_counter()
+            self.state, metrics = self.compiled(self.state, self.batch_arrays, self.key)
+            jax.block_until_ready((self.state, metrics))
+            if record:
+                self.times.append(time.perf_counter() - t0)
+        if record:
+            self.loads.append(load())
+        self.last_loss = float(np.mean(np.asarray(metrics["loss"])))
+
+
+class SequentialSeeds:
+    """S separate single-seed programs stepped one after the other (the baseline of seed-parallel training)."""
+
+    def __init__(self, spec: str, scale: str, args: argparse.Namespace, seeds: int):
+        self.cases = [Case(spec, scale, args) for _ in range(seeds)]
+        first = self.cases[0]
+        self.spec, self.scale, self.cfg, self.n_params = spec, scale, first.cfg, first.n_params
+        self.batch, self.seq = first.batch, first.seq
+        self.tokens_per_step = first.tokens_per_step * seeds
+        self.flops_per_step = first.flops_per_step * seeds
+        self.lower_s = sum(c.lower_s for c in self.cases)
+        self.compile_s = sum(c.compile_s for c in self.cases)
+        self.mem_mb = first.mem_mb
+        self.times: list[float] = []
+        self.loads: list[float] = []
+
+    def run(self, n: int, record: bool = True) -> None:
+        for _ in range(n):
+            t0 = time.perf_counter()
+            for c in self.cases:
+                c.run(1, record=False)
+            if record:
+                self.times.append(time.perf_counter() - t0)
+        if record:
+            self.loads.append(load())
+        self.last_loss = self.cases[-1].last_loss
+
+
+# ------------------------------------------------------------------------------------------------------------ main
+def bench_scale(scale: str, specs: list[str], args: argparse.Namespace, roof: Roofline | None) -> list[dict]:
+    cases: dict[str, Any] = {}
+    for spec in specs:
+        print(f"[{scale}] compiling {spec} (load {load():.1f})", flush=True)
+        cases[spec] = Case(spec, scale, args)
+    if args.seed_parallel:
+        spec = specs[0]
+        s = args.seed_parallel
+        print(f"[{scale}] compiling {spec} seed-parallel S={s}", flush=True)
+        cases[f"{spec}@vmap{s}"] = Case(spec, scale, args, seeds=s)
+        cases[f"{spec}@seq{s}"] = SequentialSeeds(spec, scale, args, seeds=s)
+
+    order = list(cases)
+    for r in range(args.rounds):
+        # Rotate the order every round so that no variant always runs right after the roofline dot.
+        shift = r % len(order)
+        for name in order[shift:] + order[:shift]:
+            cases[name].run(args.steps_per_round)
+        if roof is not None:
+            roof.sample()
+        print(f"[{scale}] round {r + 1}/{args.rounds} load {load():.1f} "
+              + " ".join(f"{n}={1e3 * statistics.median(c.times):.0f}ms" for n, c in cases.items()), flush=True)
+
+    backend = jax.default_backend()
+    peak_flops = roof.flops if roof is not None else args.peak_tflops * 1e12
+    std_name = next((n for n in order if parse_variant_spec(n)[0] == "standard" and "@" not in n), None)
+    std_median = statistics.median(cases[std_name].times) if std_name else None
+    records = []
+    for name in order:
+        c = cases[name]
+        med = statistics.median(c.times)
+        ratio = med / std_median if std_median else None
+        if "@seq" in name:  # the seed-parallel comparison is against its own sequential baseline
+            ratio = None
+        if "@vmap" in name:
+            seq_name = name.replace("@vmap", "@seq")
+            ratio = med / statistics.median(cases[seq_name].times)
+        records.append({
+            "variant": name, "scale": scale,
+            "step_ms_median": 1e3 * med,
+            "step_ms_min": 1e3 * min(c.times),
+            "step_ms_iqr": 1e3 * (float(np.percentile(c.times, 75)) - float(np.percentile(c.times, 25))),
+            "n_timed_steps": len(c.times),
+            "tokens_per_s": c.tokens_per_step / med,
+            "compile_s": c.compile_s, "lower_s": c.lower_s,
+            "peak_mem_mb": c.mem_mb if c.mem_mb is not None else rss_peak_mb(),
+            "peak_mem_source": "xla_memory_analysis" if c.mem_mb is not None else "rss_high_water",
+            "device_peak_mb": device_peak_mb(), "rss_peak_mb": rss_peak_mb(),
+            "mfu": c.flops_per_step / med / peak_flops,
+            "model_flops_per_step": c.flops_per_step,
+            "roofline_flops": peak_flops,
+            "roofline_flops_best": roof.best if roof is not None else None,
+            "mfu_vs_best_roofline": c.flops_per_step / med / roof.best if roof is not None else None,
+            "ratio_vs_standard": ratio,
+            "params": c.n_params, "batch": c.batch, "seq": c.seq,
+            "n_steps": c.cfg.n_steps, "scan_unroll": c.cfg.scan_unroll, "remat": c.cfg.remat,
+            "dtype": c.cfg.dtype, "coupling_lowering": getattr(c.cfg, "coupling_lowering", None),
+            "backend": backend, "device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
+            "load_median": statistics.median(c.loads), "load_max": max(c.loads), "final_loss": c.last_loss,
+        })
+    return records
+
+
+def markdown(records: list[dict], command: str) -> str:
+    lines = [f"`{command}`", "",
+             "| scale | variant | step ms (median) | ×standard | tokens/s | compile s | mem MB | MFU | load |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in records:
+        ratio = "" if r["ratio_vs_standard"] is None else f"{r['ratio_vs_standard']:.3f}"
+        lines.append(f"| {r['scale']} | `{r['variant']}` | {r['step_ms_median']:.1f} | {ratio} | "
+                     f"{r['tokens_per_s']:,.0f} | {r['compile_s']:.2f} | {r['peak_mem_mb']:.0f} | "
+                     f"{100 * r['mfu']:.1f}% | {r['load_median']:.1f} |")
+    rf = records[0]["roofline_flops"] if records else 0
+    lines += ["", f"backend {records[0]['backend'] if records else '?'}, roofline {rf / 1e9:.1f} GFLOP/s, "
+              f"jax {jax.__version__}. `@vmapS` rows: ratio = vmapped step time / S sequential steps."]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--scales", default="tiny")
+    ap.add_argument("--variants", default="standard,coupled_euler,coupled_leapfrog,mlp_only,differential")
+    ap.add_argument("--out", default="bench_attention.json")
+    ap.add_argument("--md", default=None, help="Markdown output (default: --out with .md)")
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds")
+    ap.add_argument("--steps_per_round", type=int, default=3, help="timed steps per variant per round")
+    ap.add_argument("--batch", type=int, default=None, help="override the scale's configured train batch")
+    ap.add_argument("--seq", type=int, default=None, help="override the scale's configured context")
+    ap.add_argument("--n_steps", type=int, default=None, help="dynamics steps n for every variant")
+    ap.add_argument("--scan_unroll", type=int, default=None)
+    ap.add_argument("--remat", default=None, choices=["none", "full", "dots", "nothing_saveable"])
+    ap.add_argument("--dtype", default=None, help="compute dtype (default: float32 on CPU, bfloat16 on GPU/TPU)")
+    ap.add_argument("--attention_impl", default=None, help="auto|xla|cudnn (default: cudnn on GPU, else auto)")
+    ap.add_argument("--seed_parallel", type=int, default=0, help="S>0: also compare S vmapped seeds vs sequential")
+    ap.add_argument("--peak_tflops", type=float, default=None,
+                    help="accelerator peak for MFU (default on CPU: the measured 2048^3 matmul roofline)")
+    args = ap.parse_args()
+
+    backend = jax.default_backend()
+    if backend == "gpu":
+        args.dtype = args.dtype or "bfloat16"
+        args.attention_impl = args.attention_impl or "cudnn"
+    roof = None
+    if args.peak_tflops is None:
+        roof = Roofline(dtype=jnp.float32 if (args.dtype or "float32") == "float32" else jnp.dtype(args.dtype))
+        roof.sample(3)
+        print(f"roofline {roof.flops / 1e9:.1f} GFLOP/s (load {load():.1f})", flush=True)
+
+    records: list[dict] = []
+    specs = [s for s in args.variants.split(",") if s]
+    for scale in args.scales.split(","):
+        records += bench_scale(scale, specs, args, roof)
+
+    command = "python benchmarks/bench_attention.py " + " ".join(sys.argv[1:])
+    for r in records:
+        r["command"] = command
+    with open(args.out, "w") as fh:
+        json.dump(records, fh, indent=1)
+    md = markdown(records, command)
+    with open(args.md or os.path.splitext(args.out)[0] + ".md", "w") as fh:
+        fh.write(md)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
