@@ -71,20 +71,23 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     ))
 
     cfg.data = ml_collections.ConfigDict(dict(
-        corpus="stdlib",  # stdlib | text_dir | wikitext103 | hf | mixture
-        path="",  # directory for text_dir / wikitext103
-        hf_name="", hf_config="", hf_field="text",
-        mixture="",  # "corpus:weight,..." for mixture
-        cache_dir="~/.cache/coupled_qk_jax",
-        tokenizer="bpe",  # bpe | byte
+        # The data layer's corpus string: stdlib | text_dir:DIR | wikitext103:DIR | hf:NAME[:CONFIG[:FIELD]] |
+        # mixture:SPEC@W;SPEC@W (docs/data.md).
+        corpus="stdlib",
+        split_fractions="",  # "train,validation,test" fractions for file corpora, e.g. "0.8,0.1,0.1"; "" = default
+        max_bytes=0,  # cap on the UTF-8 text read per split (0 = no cap)
+        cache_dir="~/.cache/coupled_qk_jax",  # token cache root (tokenised once, reused across runs)
+        tokenizer="bpe",  # bpe (trained on the train split, vocab = model.vocab_size) | byte (vocab 257)
+        tokenizer_path="",  # an existing BPE tokenizer.json to use instead of training one
         seq_len=max_len if scale in ("tiny", "small") else 1024,
+        num_threads=2,  # grain read threads for the training iterator
     ))
 
     cfg.train = ml_collections.ConfigDict(dict(
         steps=2000 if scale in ("tiny", "small") else 20000,
-        batch_size=batch,
-        grad_accum=1,
-        seed=0,
+        batch_size=batch,  # global sequences per optimiser step (split over hosts, devices and grad_accum)
+        grad_accum=1,  # micro-batches per step: each is batch_size / grad_accum sequences
+        seed=0,  # model init, data order and per-step dropout keys (fold_in(seed, step))
         lr=lr,
         warmup_steps=100,
         min_lr_ratio=0.1,
@@ -95,13 +98,15 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         ov_lr_mult=1.0,  # multiplies the learning rate of W_V and W_O
         qk_mult_coupling=False,  # also apply qk_lr_mult to the coupling parameters (f and Δt)
         log_every=25,
-        eval_every=500,
-        eval_batches=0,  # 0 = the whole validation split
+        eval_every=500,  # 0 = only at the end
+        eval_batches=0,  # 0 = the whole validation split (every token once); N = the first N batches
+        eval_batch_size=0,  # global sequences per eval batch (0 = train.batch_size)
+        stop_after=0,  # stop (with a checkpoint) once this many steps are done in total; 0 = train.steps. For tests.
     ))
 
     cfg.checkpoint = ml_collections.ConfigDict(dict(
-        every=250,
-        keep_last=2,
+        every=250,  # save every N steps (and always at the end, on SIGTERM)
+        keep_last=2,  # keep the latest k checkpoints
         keep_every=0,  # also keep every N-th step permanently (0 = off)
         async_save=True,
     ))

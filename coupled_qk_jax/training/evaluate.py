@@ -1,0 +1,67 @@
+"""Token-level evaluation: cross-entropy and perplexity over a whole split, every token scored exactly once.
+
+The split's token stream is ``[eot] + tokens`` cut into non-overlapping windows of T (``data.pipeline.eval_batches``
+with ``bos_id=eot``), so each of its N tokens is a target exactly once, the first predicted from the document
+separator. Padding (the last partial window, filler rows) has target -100 and is not counted. Per batch the device
+returns the summed NLL (float32) and the token count; the host accumulates them in float64 / Python int, so the
+result does not depend on the batch size beyond float32 rounding inside one batch.
+
+    loss = sum(NLL) / tokens        ppl = exp(loss)
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from coupled_qk_jax import sharding as shd
+from coupled_qk_jax.data.pipeline import eval_batches, num_eval_batches
+from coupled_qk_jax.training.steps import make_eval_step
+
+
+def make_sharded_eval_step(graphdef: nnx.GraphDef, params_shardings: Any, mesh: Mesh) -> Callable:
+    """jit(eval_step) with explicit shardings: params as trained, batch split over (data, fsdp), scalars out."""
+    batch_sh = shd.batch_sharding(mesh)
+    replicated = NamedSharding(mesh, P())
+    return jax.jit(make_eval_step(graphdef), in_shardings=(params_shardings, {"inputs": batch_sh, "targets": batch_sh}),
+                   out_shardings=(replicated, replicated))
+
+
+def evaluate_tokens(eval_step: Callable, params: Any, tokens: np.ndarray, seq_len: int, global_batch_size: int,
+                    mesh: Mesh, *, bos_id: int | None, max_batches: int = 0) -> dict[str, float | int]:
+    """Mean token NLL and perplexity of a split.
+
+    Args:
+      eval_step: ``(params, batch) -> (nll_sum, count)``, e.g. from :func:`make_sharded_eval_step`.
+      tokens: [N] token ids of the split (this host reads its own windows: window k goes to host k mod hosts).
+      seq_len: T.
+      global_batch_size: windows per batch over all hosts (each host feeds ``global_batch_size / process_count``).
+      bos_id: the end-of-text id; with it all N tokens are scored, without it N - 1.
+      max_batches: 0 = the whole split; otherwise only the first ``max_batches`` batches (a cheaper estimate).
+
+    Returns:
+      {"loss": mean NLL in nats, "ppl": exp(loss), "tokens": number of scored tokens}.
+    """
+    hosts = jax.process_count()
+    if global_batch_size % hosts:
+        raise ValueError(f"eval batch size {global_batch_size} is not divisible by {hosts} processes")
+    per_host = global_batch_size // hosts
+    total = num_eval_batches(int(tokens.shape[0]), seq_len, per_host, bos_id=bos_id, process_count=hosts)
+    limit = total if max_batches <= 0 else min(total, max_batches)
+    outs = []
+    batches = eval_batches(tokens, seq_len, per_host, bos_id=bos_id, process_index=jax.process_index(),
+                           process_count=hosts)
+    for i, batch in enumerate(batches):
+        if i == limit:
+            break
+        outs.append(eval_step(params, shd.global_batch(batch, mesh)))  # async dispatch; read back below
+    nll = sum(float(s) for s, _ in outs)  # float64 accumulation on the host
+    count = sum(int(c) for _, c in outs)
+    loss = nll / max(count, 1)
+    return {"loss": loss, "ppl": math.exp(loss) if loss < 700 else float("inf"), "tokens": count}

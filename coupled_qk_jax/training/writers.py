@@ -1,0 +1,77 @@
+"""Run outputs: metrics.jsonl, TensorBoard event files (tensorboardX) and summary.json. Only process 0 writes."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any
+
+import jax
+
+
+def _jsonable(value: Any) -> Any:
+    """Python scalars for JSON; NaN/inf become strings so the file stays strict JSON."""
+    if hasattr(value, "item"):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
+
+
+def write_json_atomic(path: str, obj: dict[str, Any]) -> None:
+    """Write via a temporary file and os.replace, so readers never see half a file."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump({k: _jsonable(v) for k, v in obj.items()}, f, indent=2, sort_keys=True)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def read_metrics(workdir: str) -> list[dict[str, Any]]:
+    """All lines of WORKDIR/metrics.jsonl (an empty list if there is none)."""
+    path = os.path.join(workdir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+class MetricsWriter:
+    """Appends one JSON line per logging step to WORKDIR/metrics.jsonl and mirrors scalars to TensorBoard.
+
+    ``resume_step``: lines logged after this step by an earlier, killed process are dropped first, so after a
+    resume the file reads as if the run had never been interrupted.
+    """
+
+    def __init__(self, workdir: str, resume_step: int | None = None, tensorboard: bool = True) -> None:
+        self.enabled = jax.process_index() == 0
+        self.path = os.path.join(workdir, "metrics.jsonl")
+        self._tb = None
+        if not self.enabled:
+            return
+        if resume_step is not None and os.path.exists(self.path):
+            kept = [r for r in read_metrics(workdir) if r.get("step", 0) <= resume_step]
+            with open(self.path + ".tmp", "w", encoding="utf-8") as f:
+                f.writelines(json.dumps(r) + "\n" for r in kept)
+            os.replace(self.path + ".tmp", self.path)
+        if tensorboard:
+            from tensorboardX import SummaryWriter  # local: importing it is slow-ish and only process 0 needs it
+
+            self._tb = SummaryWriter(os.path.join(workdir, "tb"))
+
+    def write(self, step: int, metrics: dict[str, Any], prefix: str = "") -> None:
+        if not self.enabled:
+            return
+        row = {"step": int(step), **{f"{prefix}{k}": _jsonable(v) for k, v in metrics.items()}}
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(row) + "\n")
+        if self._tb is not None:
+            for k, v in row.items():
+                if k != "step" and isinstance(v, (int, float)):
+                    self._tb.add_scalar(k, v, step)
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.flush()
+            self._tb.close()
