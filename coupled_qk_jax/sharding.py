@@ -223,18 +223,24 @@ def jit_eval_step(eval_step: Callable, param_shardings: Any, mesh: Mesh) -> Call
 
 
 # ------------------------------------------------------------------------------------------------- HLO accounting
-_COLLECTIVE_RE = re.compile(r"=\s*(\([^=]*?\)|\S+)\s+(" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
+_COMMENT_RE = re.compile(r"/\*.*?\*/")  # e.g. the /*index=5*/ markers inside long tuple shapes
+_COLLECTIVE_RE = re.compile(r"^\s*(?:ROOT\s+)?%[\w.\-]+\s*=\s*(.+?)\s+(" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
 _SHAPE_RE = re.compile(r"([a-z]+[0-9]*)\[([0-9,]*)\]")
 
 
 def collective_ops(hlo_text: str) -> list[tuple[str, int]]:
     """Every collective in compiled HLO text (`jit(f).lower(...).compile().as_text()`) as (kind, result elements).
 
-    Async pairs (`all-gather-start` / `-done`) count once, at the start; a combined (tuple) collective counts once
-    with the elements of all its operands.
+    Async pairs (`all-gather-start` / `-done`) count once, at the start (whose tuple result also holds the operand,
+    so compare sizes between programs, not against hand counts); a combined (tuple) collective counts once with
+    the elements of all its results.
     """
     ops = []
-    for shape, kind in _COLLECTIVE_RE.findall(hlo_text):
+    for line in hlo_text.splitlines():
+        match = _COLLECTIVE_RE.match(_COMMENT_RE.sub("", line))
+        if match is None:
+            continue
+        shape, kind = match.groups()
         elements = sum(int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
                        for _, dims in _SHAPE_RE.findall(shape))
         ops.append((kind, elements))

@@ -1,0 +1,109 @@
+"""One process of a multi-process (or single-process) CPU training run, for tests/test_multihost.py.
+
+    python tests/multihost_worker.py --phase train  --workdir DIR --local-devices 2 --mesh 1,2,2
+    python tests/multihost_worker.py --phase resume --workdir DIR --local-devices 2 --mesh 1,2,2
+
+The cluster comes from COUPLED_QK_COORDINATOR / COUPLED_QK_NUM_PROCESSES / COUPLED_QK_PROCESS_ID (read by
+coupled_qk_jax.distributed); unset means a single process. It trains a tiny coupled_euler LM with the project's own
+pieces (steps.py, optimizer.py, sharding.py) and orbax:
+
+  train:  steps 1..N, an orbax multi-host checkpoint after step --save-at, then on to N.
+  resume: restore the checkpoint into this mesh's shardings, check the step, train --save-at+1..N.
+
+Each process builds the same global batch for step s from a seeded generator and feeds only its own rows
+(sharding.process_batch_slice) to sharding.global_batch, exactly as a data loader on each host would. Every process
+prints `LOSS <step> <float.hex>` per step and `DONE <process> <processes> <devices>` at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--phase", choices=("train", "resume"), required=True)
+    p.add_argument("--workdir", required=True, help="absolute; shared by all processes")
+    p.add_argument("--local-devices", type=int, default=2, help="fake CPU devices in this process")
+    p.add_argument("--mesh", default="1,2,2", help="data,fsdp,tensor")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--save-at", type=int, default=3)
+    p.add_argument("--batch", type=int, default=8, help="global batch")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    # Before JAX starts its CPU backend: the device count is read once.
+    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.local_devices}"
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+    from coupled_qk_jax.distributed import initialize_distributed
+
+    multi = initialize_distributed(initialization_timeout=60)
+
+    import jax
+    import numpy as np
+    import orbax.checkpoint as ocp
+
+    from configs import lm
+    from coupled_qk_jax import sharding as shd
+    from coupled_qk_jax.config import ModelConfig
+    from coupled_qk_jax.model import TransformerLM
+    from coupled_qk_jax.training import optimizer, steps
+
+    assert jax.local_device_count() == args.local_devices, jax.local_devices()
+    cfg = ModelConfig(variant="coupled_euler", vocab_size=64, max_len=16, d_model=32, n_layers=2, n_heads=4, d_ff=64,
+                      coupling_hidden=8)
+    train_cfg = lm.get_config("coupled_euler,tiny").train
+    train_cfg.update(dict(steps=args.steps, warmup_steps=2, lr=1e-2))
+    model = TransformerLM(cfg, seed=0)
+    graphdef, params = steps.split_model(model)
+    tx = optimizer.make_optimizer(params, train_cfg)
+    host_state = steps.init_train_state(params, tx)
+
+    mesh = shd.make_mesh(dict(zip(shd.MESH_AXES, map(int, args.mesh.split(",")))))
+    shardings = shd.train_state_shardings(model, tx, host_state, mesh)
+    train_step = shd.jit_train_step(steps.make_train_step(graphdef, tx), shardings, mesh)
+    index, count = shd.process_batch_slice(mesh, args.batch)
+    rows = args.batch // count
+
+    def batch_for(step: int) -> dict:
+        tokens = np.random.default_rng([1234, step]).integers(0, cfg.vocab_size, (args.batch, 17), dtype=np.int32)
+        mine = tokens[index * rows:(index + 1) * rows]  # this host's rows only
+        return shd.global_batch({"inputs": mine[:, :-1], "targets": mine[:, 1:]}, mesh)
+
+    ckpt_dir = os.path.join(os.path.abspath(args.workdir), "ckpt")
+    mngr = ocp.CheckpointManager(ckpt_dir, options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True))
+    if args.phase == "train":
+        state, first = jax.device_put(host_state, shardings), 1
+    else:
+        latest = mngr.latest_step()
+        assert latest == args.save_at, f"latest checkpoint {latest}, expected {args.save_at}"
+        state = mngr.restore(latest, args=ocp.args.StandardRestore(shd.abstract_state(host_state, shardings)))
+        restored_step = int(np.asarray(state["step"].addressable_data(0)))
+        assert restored_step == latest, restored_step
+        wq = state["params"]["blocks"][0]["attn"]["wq"]
+        assert wq.sharding.is_equivalent_to(shardings["params"]["blocks"][0]["attn"]["wq"], wq.ndim)
+        first = latest + 1
+
+    base_key = jax.random.key(7)
+    for step in range(first, args.steps + 1):
+        state, metrics = train_step(state, batch_for(step), jax.random.fold_in(base_key, step))
+        loss = float(np.asarray(metrics["loss"].addressable_data(0)))
+        print(f"LOSS {step} {loss.hex()}", flush=True)
+        if args.phase == "train" and step == args.save_at:
+            mngr.save(step, args=ocp.args.StandardSave(state))
+            mngr.wait_until_finished()
+    mngr.wait_until_finished()
+    mngr.close()
+    print(f"DONE {jax.process_index()} {jax.process_count()} {jax.device_count()}", flush=True)
+    if multi:
+        jax.distributed.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

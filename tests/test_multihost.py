@@ -1,0 +1,154 @@
+"""A real 2-process run on localhost: jax.distributed (gloo CPU collectives), 2 CPU devices per process, a
+(data=1, fsdp=2, tensor=2) mesh whose fsdp axis spans the two processes. It trains 5 steps with an orbax multi-host
+checkpoint at step 3, then two fresh processes resume from it; every loss must equal, bit for bit, the loss of a
+1-process run on 4 devices with the same mesh shape.
+
+The processes are started with subprocess.Popen (tests/multihost_worker.py) and joined with a timeout; stragglers
+are killed in `finally`. Plus the pure parts of coupled_qk_jax.distributed (argument / environment resolution).
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from coupled_qk_jax import distributed
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+WORKER = ROOT / "tests" / "multihost_worker.py"
+TIMEOUT_S = 240
+
+
+def _env(local_devices: int, cluster: dict[str, str]) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("COUPLED_QK_", "JAX_COORDINATOR", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"))}
+    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={local_devices}",
+               PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+    env.update(cluster)
+    return env
+
+
+def launch(phase: str, workdir: pathlib.Path, n_processes: int, local_devices: int) -> list[subprocess.Popen]:
+    """Start one run: n_processes workers (a coordinator on a free localhost port when n_processes > 1)."""
+    procs = []
+    port = None
+    if n_processes > 1:
+        portpicker = pytest.importorskip("portpicker")
+        port = portpicker.pick_unused_port()
+    for pid in range(n_processes):
+        cluster = {}
+        if n_processes > 1:
+            cluster = {distributed.ENV_COORDINATOR: f"127.0.0.1:{port}",
+                       distributed.ENV_NUM_PROCESSES: str(n_processes), distributed.ENV_PROCESS_ID: str(pid)}
+        cmd = [sys.executable, str(WORKER), "--phase", phase, "--workdir", str(workdir.absolute()),
+               "--local-devices", str(local_devices), "--mesh", "1,2,2"]
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=_env(local_devices, cluster), stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    return procs
+
+
+def join(procs: list[subprocess.Popen]) -> list[str]:
+    """Wait for every worker; return their outputs (assert exit code 0, with the output on failure)."""
+    outs = []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=TIMEOUT_S)
+            outs.append(out)
+            assert p.returncode == 0, f"worker exited with {p.returncode}:\n{out[-4000:]}"
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    return outs
+
+
+def losses(out: str) -> dict[int, str]:
+    return {int(line.split()[1]): line.split()[2] for line in out.splitlines() if line.startswith("LOSS ")}
+
+
+def done(out: str) -> tuple[int, int, int]:
+    line = [x for x in out.splitlines() if x.startswith("DONE ")]
+    assert line, out[-4000:]
+    return tuple(int(x) for x in line[-1].split()[1:])
+
+
+def test_two_process_train_checkpoint_resume_equals_one_process(tmp_path):
+    single = launch("train", tmp_path / "single", n_processes=1, local_devices=4)
+    try:
+        two = join(launch("train", tmp_path / "multi", n_processes=2, local_devices=2))
+    finally:
+        one = join(single)[0]
+    resumed = join(launch("resume", tmp_path / "multi", n_processes=2, local_devices=2))
+
+    assert done(one) == (0, 1, 4)
+    assert [done(o) for o in two] == [(0, 2, 4), (1, 2, 4)]
+    assert [done(o) for o in resumed] == [(0, 2, 4), (1, 2, 4)]
+    reference = losses(one)
+    assert sorted(reference) == [1, 2, 3, 4, 5]
+    assert len(set(reference.values())) == 5, "the loss must change from step to step (else nothing is trained)"
+    for out in two:  # both processes see the same replicated loss, bit for bit the 1-process one
+        assert losses(out) == reference
+    for out in resumed:
+        assert losses(out) == {s: reference[s] for s in (4, 5)}
+    assert (tmp_path / "multi" / "ckpt" / "3").is_dir()
+
+
+# ------------------------------------------------------------------------------------------ argument resolution
+def test_plan_single_process_by_default():
+    assert distributed.plan_distributed(env={}).mode == "none"
+    assert distributed.plan_distributed(env={distributed.ENV_NUM_PROCESSES: "1"}).mode == "none"
+    assert distributed.plan_distributed(env={"COUPLED_QK_DISTRIBUTED": "off", "SLURM_JOB_ID": "1"}).mode == "none"
+
+
+def test_plan_precedence_arguments_then_ours_then_jax():
+    env = {distributed.ENV_COORDINATOR: "10.0.0.1:1234", distributed.ENV_NUM_PROCESSES: "4",
+           distributed.ENV_PROCESS_ID: "2", "JAX_COORDINATOR_ADDRESS": "10.9.9.9:1", "JAX_NUM_PROCESSES": "9",
+           "JAX_PROCESS_ID": "8", distributed.ENV_LOCAL_DEVICE_IDS: "0,1"}
+    plan = distributed.plan_distributed(env=env)
+    assert (plan.mode, plan.coordinator_address, plan.num_processes, plan.process_id, plan.local_device_ids) == \
+        ("explicit", "10.0.0.1:1234", 4, 2, (0, 1))
+    plan = distributed.plan_distributed(process_id=3, env=env)
+    assert plan.process_id == 3
+    jax_only = {k: v for k, v in env.items() if k.startswith("JAX_")}
+    jax_only["JAX_PROCESS_ID"] = "5"
+    plan = distributed.plan_distributed(env=jax_only)
+    assert (plan.coordinator_address, plan.num_processes, plan.process_id) == ("10.9.9.9:1", 9, 5)
+
+
+def test_plan_auto_detection():
+    assert distributed.plan_distributed(env={"COUPLED_QK_DISTRIBUTED": "auto"}).mode == "auto"
+    slurm = {"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "n[1-2]", "SLURM_NTASKS": "2"}
+    assert distributed.plan_distributed(env=slurm).mode == "auto"
+    assert distributed.plan_distributed(env={**slurm, "SLURM_NTASKS": "1"}).mode == "none"
+    assert distributed.plan_distributed(env={"OMPI_MCA_orte_hnp_uri": "x", "OMPI_COMM_WORLD_SIZE": "4"}).mode == "auto"
+
+
+@pytest.mark.parametrize("env,match", [
+    ({distributed.ENV_NUM_PROCESSES: "2", distributed.ENV_PROCESS_ID: "0"}, "coordinator address"),
+    ({distributed.ENV_NUM_PROCESSES: "2", distributed.ENV_COORDINATOR: "h:1"}, "process id"),
+    ({distributed.ENV_NUM_PROCESSES: "2", distributed.ENV_COORDINATOR: "h:1", distributed.ENV_PROCESS_ID: "2"},
+     r"process_id must be in \[0, 2\)"),
+    ({distributed.ENV_NUM_PROCESSES: "two"}, "COUPLED_QK_NUM_PROCESSES must be an integer"),
+    ({distributed.ENV_NUM_PROCESSES: "2", distributed.ENV_COORDINATOR: "host", distributed.ENV_PROCESS_ID: "0"},
+     "host:port"),
+    ({distributed.ENV_COORDINATOR: "h:1"}, "without the process count"),
+    ({"COUPLED_QK_DISTRIBUTED": "yes"}, "COUPLED_QK_DISTRIBUTED must be"),
+])
+def test_plan_errors_name_the_field(env, match):
+    with pytest.raises(ValueError, match=match):
+        distributed.plan_distributed(env=env)
+
+
+def test_initialize_is_a_no_op_for_one_process(monkeypatch):
+    for name in (distributed.ENV_COORDINATOR, distributed.ENV_NUM_PROCESSES, distributed.ENV_PROCESS_ID,
+                 "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "SLURM_JOB_ID",
+                 "OMPI_MCA_orte_hnp_uri"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(distributed, "_on_cloud_tpu", lambda: False)
+    assert distributed.initialize_distributed() is False
+    assert distributed.initialize_distributed(num_processes=1) is False

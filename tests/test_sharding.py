@@ -1,0 +1,269 @@
+"""Sharding: every variant gives the single-device loss and gradients on (8,1,1), (2,2,2) and (1,4,2) meshes; the
+coupled dynamics add no collective on a tensor-parallel mesh (compiled HLO); orbax resumes across mesh shapes;
+mesh/rule validation.
+
+Runs in one process with the 8 CPU devices that conftest.py sets up. The model is tiny (d_model 32, 2 layers,
+4 heads, T 16, batch 8) because each (variant, mesh) pair is a separate XLA compilation.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from coupled_qk_jax import dynamics
+from coupled_qk_jax import sharding as shd
+from coupled_qk_jax.config import ALL_VARIANTS, ModelConfig
+from coupled_qk_jax.model import TransformerLM
+from coupled_qk_jax.training import steps
+
+TINY = dict(vocab_size=64, max_len=16, d_model=32, n_layers=2, n_heads=4, d_ff=64, coupling_hidden=8,
+            affine_hidden=8)
+BATCH, SEQ = 8, 16
+MESHES = [(8, 1, 1), (2, 2, 2), (1, 4, 2)]
+# fp32 tolerance: rtol as the issue asks; the atol floor covers gradient entries that are ~0 (|g| < 1e-4 of the
+# largest), where a different summation order across shards moves the last bits.
+RTOL, ATOL = 1e-5, 1e-7
+
+pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (fake CPU) devices; see conftest.py")
+
+
+def mesh_of(shape: tuple[int, int, int]):
+    return shd.make_mesh(dict(zip(shd.MESH_AXES, shape)), jax.devices()[: int(np.prod(shape))])
+
+
+@functools.lru_cache(maxsize=None)
+def setup(variant: str):
+    """(model, graphdef, params, batch): params perturbed away from init so that every transform really acts
+    (the coupling/affine output layers start at zero), and some targets masked with -100."""
+    cfg = ModelConfig(variant=variant, **TINY)
+    model = TransformerLM(cfg, seed=0)
+    graphdef, params = steps.split_model(model)
+    rng = np.random.default_rng(ALL_VARIANTS.index(variant))
+    params = jax.tree.map(lambda x: np.asarray(x) + 0.05 * rng.standard_normal(x.shape).astype(np.float32), params)
+    tokens = rng.integers(0, TINY["vocab_size"], (BATCH, SEQ + 1)).astype(np.int32)
+    targets = tokens[:, 1:].copy()
+    targets[0, :5] = steps.IGNORE_INDEX
+    return model, graphdef, params, {"inputs": tokens[:, :-1], "targets": targets}
+
+
+def loss_and_grad_fn(graphdef):
+    loss_fn = steps.make_loss_fn(graphdef)
+    return jax.value_and_grad(lambda p, b: loss_fn(p, b)[0])
+
+
+@functools.lru_cache(maxsize=None)
+def reference(variant: str):
+    """Loss and gradients on one device, no mesh: the independent reference."""
+    _, graphdef, params, batch = setup(variant)
+    dev = jax.devices()[0]
+    loss, grads = jax.jit(loss_and_grad_fn(graphdef))(jax.device_put(params, dev), jax.device_put(batch, dev))
+    return float(loss), jax.tree.map(np.asarray, grads)
+
+
+@functools.lru_cache(maxsize=None)
+def sharded_loss_and_grads(variant: str, shape: tuple[int, int, int]):
+    """(loss, grads, param shardings, compiled HLO text) on a mesh; params in, grads out in the FSDP/TP layout."""
+    model, graphdef, params, batch = setup(variant)
+    mesh = mesh_of(shape)
+    p_sh = shd.named_shardings(shd.param_specs(model, mesh), mesh)
+    b_sh = shd.batch_sharding(mesh)
+    compiled = jax.jit(loss_and_grad_fn(graphdef), in_shardings=(p_sh, b_sh),
+                       out_shardings=(shd.replicated(mesh), p_sh)).lower(params, batch).compile()
+    loss, grads = compiled(jax.device_put(params, p_sh), shd.global_batch(batch, mesh))
+    return float(loss), grads, p_sh, compiled.as_text()
+
+
+@pytest.mark.parametrize("variant", ALL_VARIANTS)
+def test_loss_and_grads_match_single_device(variant):
+    ref_loss, ref_grads = reference(variant)
+    assert np.isfinite(ref_loss)
+    for shape in MESHES:
+        loss, grads, p_sh, _ = sharded_loss_and_grads(variant, shape)
+        np.testing.assert_allclose(loss, ref_loss, rtol=RTOL, err_msg=f"{variant} {shape}")
+        flat_ref = jax.tree_util.tree_flatten_with_path(ref_grads)[0]
+        flat = jax.tree.leaves(grads)
+        assert len(flat) == len(flat_ref)
+        for (path, want), got in zip(flat_ref, flat):
+            np.testing.assert_allclose(np.asarray(got), want, rtol=RTOL, atol=ATOL,
+                                       err_msg=f"{variant} {shape} {jax.tree_util.keystr(path)}")
+        # The gradients really are distributed as the rules say (not silently replicated).
+        wq = grads["blocks"][0]["attn"]["wq"]
+        assert wq.sharding.is_equivalent_to(p_sh["blocks"][0]["attn"]["wq"], wq.ndim)
+        d, h, dh = wq.shape
+        fsdp, tensor = shape[1], shape[2]
+        assert wq.addressable_shards[0].data.shape == (d // fsdp, h // tensor, dh)
+
+
+def test_param_specs_follow_the_rules():
+    model = setup("coupled_euler")[0]
+    specs = shd.param_specs(model, mesh_of((1, 4, 2)))
+    attn = specs["blocks"][0]["attn"]
+    assert attn["wq"] == P("fsdp", "tensor", None)
+    assert attn["wo"] == P("tensor", None, "fsdp")
+    assert attn["dt"] == P("tensor")
+    assert attn["coupling"]["w1"] == P(None, None)  # f is shared by the heads: replicated
+    assert specs["blocks"][0]["mlp"]["w_in"] == P("fsdp", "tensor")
+    assert specs["embed"] == P("tensor", "fsdp")
+    # (8,1,1): pure data parallelism, every parameter replicated.
+    assert all(s == P(*([None] * len(s))) for s in jax.tree.leaves(
+        shd.param_specs(model, mesh_of((8, 1, 1))), is_leaf=lambda x: isinstance(x, P)))
+
+
+# ------------------------------------------------------------------------------------------------ HLO collectives
+def forward_hlo(variant: str, shape: tuple[int, int, int]) -> str:
+    model, graphdef, params, batch = setup(variant)
+    mesh = mesh_of(shape)
+    p_sh = shd.named_shardings(shd.param_specs(model, mesh), mesh)
+    loss_fn = steps.make_loss_fn(graphdef)
+    return jax.jit(lambda p, b: loss_fn(p, b)[0], in_shardings=(p_sh, shd.batch_sharding(mesh))).lower(
+        params, batch).compile().as_text()
+
+
+def test_collective_parser_on_known_programs():
+    """The parser against programs whose collectives are known: a psum over a sharded axis needs an all-reduce; an
+    elementwise op on a sharded array needs none; a resharding from rows to columns needs data movement (one all-to-all, whose long tuple shape carries the
+    /*index=5*/ comments that the parser must skip)."""
+    mesh = mesh_of((1, 1, 8))
+    x_sh = NamedSharding(mesh, P("tensor", None))
+    x = jnp.ones((16, 8))
+    summed = jax.jit(lambda a: jnp.sum(a, axis=0), in_shardings=x_sh, out_shardings=shd.replicated(mesh))
+    ops = shd.collective_ops(summed.lower(x).compile().as_text())
+    assert [k for k, _ in ops] == ["all-reduce"] and ops[0][1] == 8
+    doubled = jax.jit(lambda a: 2 * a, in_shardings=x_sh, out_shardings=x_sh)
+    assert shd.collective_ops(doubled.lower(x).compile().as_text()) == []
+    moved = jax.jit(lambda a: 2 * a, in_shardings=x_sh, out_shardings=NamedSharding(mesh, P(None, "tensor")))
+    counts = shd.collective_counts(moved.lower(x).compile().as_text())
+    assert sum(counts.values()) == 1 and counts["all-to-all"] + counts["all-gather"] == 1, counts
+
+
+@pytest.mark.parametrize("method", ["euler", "leapfrog", "uncoupled"])
+def test_evolve_heads_stays_on_its_heads(method):
+    """The dynamics alone, q/k split over heads (tensor) and batch (data): no collective at all."""
+    mesh = mesh_of((2, 1, 4))
+    qk_sh = NamedSharding(mesh, P("data", None, "tensor", None))
+    b, t, h, d = 4, 8, 4, 8
+    params = dynamics.init_coupling_params(jax.random.key(0), d, 8, zero_output=False)
+    p_sh = jax.tree.map(lambda _: shd.replicated(mesh), params)
+    fn = jax.jit(lambda q, k, dt, p: dynamics.evolve_heads(q, k, dt, p, 2, method),
+                 in_shardings=(qk_sh, qk_sh, NamedSharding(mesh, P("tensor")), p_sh), out_shardings=(qk_sh, qk_sh))
+    q = jnp.ones((b, t, h, d))
+    hlo = fn.lower(q, q, jnp.ones(h), params).compile().as_text()
+    assert shd.collective_ops(hlo) == []
+
+
+COUPLED_PAIRS = [("coupled_euler", "standard"), ("coupled_leapfrog", "standard"), ("mlp_only", "standard"),
+                 ("coupled_euler+differential", "differential")]
+
+
+@pytest.mark.parametrize("coupled,base", COUPLED_PAIRS)
+def test_coupled_dynamics_add_no_collective_on_a_tensor_parallel_mesh(coupled, base):
+    """Forward pass on (data=2, tensor=4), one head per device: the coupled model's collectives are exactly the
+    baseline's (same kinds, same sizes). An all-gather of q or k ([B, T, H, d_head]) would show up here."""
+    shape = (2, 1, 4)
+    got, want = shd.collective_ops(forward_hlo(coupled, shape)), shd.collective_ops(forward_hlo(base, shape))
+    assert want, "the baseline must need some collective on this mesh (else the comparison proves nothing)"
+    assert sorted(got) == sorted(want), f"{coupled}: {sorted(got)} vs {base}: {sorted(want)}"
+
+
+def test_coupled_gradient_adds_at_most_its_own_parameters():
+    """Training step on (1,4,2) (the mesh of the equality test; HLO reused): per collective kind, the coupled
+    model moves at most the baseline's elements plus its own (tiny) extra parameters, and never a q/k-sized tensor.
+    The extra all-reduces are f's parameter gradients, summed over the heads and batch rows that share f."""
+    coupled_text = sharded_loss_and_grads("coupled_euler", (1, 4, 2))[3]
+    base_text = sharded_loss_and_grads("standard", (1, 4, 2))[3]
+    n_extra = sum(x.size for x in jax.tree.leaves(setup("coupled_euler")[2])) - \
+        sum(x.size for x in jax.tree.leaves(setup("standard")[2]))
+    qk_elements = BATCH * SEQ * TINY["d_model"]  # one [B, T, H, d_head] tensor
+    assert n_extra < qk_elements
+    got, want = shd.collective_ops(coupled_text), shd.collective_ops(base_text)
+    for kind in shd.COLLECTIVES:
+        moved = sum(n for k, n in got if k == kind)
+        base = sum(n for k, n in want if k == kind)
+        assert moved <= base + n_extra, f"{kind}: coupled moves {moved} elements, standard {base} (+{n_extra})"
+
+
+# ----------------------------------------------------------------------------------------------- resume across meshes
+def test_orbax_resume_on_a_different_mesh(tmp_path):
+    """Save a train state (after one AdamW step, so the moments are non-zero) on (data=8); restore it on
+    (fsdp=4, tensor=2) through ShapeDtypeStruct targets carrying the new shardings: values equal, new layout."""
+    model, graphdef, params, batch = setup("coupled_euler")
+    tx = optax.adamw(1e-2, weight_decay=0.1)
+    host_state = steps.init_train_state(params, tx)
+
+    mesh_a = mesh_of((8, 1, 1))
+    sh_a = shd.train_state_shardings(model, tx, host_state, mesh_a)
+    step = shd.jit_train_step(steps.make_train_step(graphdef, tx), sh_a, mesh_a)
+    state, metrics = step(jax.device_put(host_state, sh_a), shd.global_batch(batch, mesh_a), jax.random.key(0))
+    assert int(state["step"]) == 1 and np.isfinite(float(metrics["loss"]))
+    saved = jax.tree.map(np.asarray, state)
+
+    directory = str(tmp_path.absolute() / "ckpt")
+    with ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(max_to_keep=1)) as mngr:
+        mngr.save(1, args=ocp.args.StandardSave(state))
+        mngr.wait_until_finished()
+
+    mesh_b = mesh_of((1, 4, 2))
+    sh_b = shd.train_state_shardings(model, tx, host_state, mesh_b)
+    with ocp.CheckpointManager(directory) as mngr:
+        assert mngr.latest_step() == 1
+        restored = mngr.restore(1, args=ocp.args.StandardRestore(shd.abstract_state(host_state, sh_b)))
+
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, restored), saved)
+    for arr, want in zip(jax.tree.leaves(restored), jax.tree.leaves(sh_b)):
+        assert arr.sharding.is_equivalent_to(want, arr.ndim)
+    mu_wq = restored["opt_state"][0].mu["blocks"][0]["attn"]["wq"]
+    assert mu_wq.sharding.spec == P("fsdp", "tensor", None)
+    assert mu_wq.addressable_shards[0].data.shape == (TINY["d_model"] // 4, TINY["n_heads"] // 2, 8)
+    assert float(jnp.max(jnp.abs(mu_wq))) > 0
+
+
+# ------------------------------------------------------------------------------------------------------ validation
+def test_mesh_shape_fill_and_errors():
+    assert shd.mesh_shape({"data": -1, "fsdp": 1, "tensor": 1}, 8) == (8, 1, 1)
+    assert shd.mesh_shape({"data": 1, "fsdp": -1, "tensor": 2}, 8) == (1, 4, 2)
+    assert shd.mesh_shape({"data": 2, "fsdp": 2, "tensor": 2}, 8) == (2, 2, 2)
+    with pytest.raises(ValueError, match="at most one"):
+        shd.mesh_shape({"data": -1, "fsdp": -1, "tensor": 1}, 8)
+    with pytest.raises(ValueError, match="mesh.tensor"):
+        shd.mesh_shape({"data": 1, "fsdp": 1, "tensor": 0}, 8)
+    with pytest.raises(ValueError, match="not divisible"):
+        shd.mesh_shape({"data": -1, "fsdp": 1, "tensor": 3}, 8)
+    with pytest.raises(ValueError, match="but there are 8 devices"):
+        shd.mesh_shape({"data": 2, "fsdp": 2, "tensor": 1}, 8)
+    with pytest.raises(ValueError, match="mesh.fsdp must be an integer"):
+        shd.mesh_shape({"data": 1, "fsdp": "2", "tensor": 1}, 8)
+    with pytest.raises(ValueError, match="mesh.data is missing"):
+        shd.mesh_shape({"fsdp": 1, "tensor": 1}, 8)
+    mesh = shd.make_mesh({"data": 2, "fsdp": -1, "tensor": 2})
+    assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "tensor": 2}
+    assert all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
+
+
+def test_logical_to_spec_replicates_what_does_not_divide():
+    mesh = mesh_of((1, 2, 4))
+    assert shd.logical_to_spec(("embed", "heads", "head_dim"), (32, 4, 8), mesh) == P("fsdp", "tensor", None)
+    assert shd.logical_to_spec(("embed", "heads", "head_dim"), (32, 6, 8), mesh) == P("fsdp", None, None)
+    assert shd.logical_to_spec(("batch", None), (8, 3), mesh) == P("fsdp", None)  # data=1 is dropped
+    with pytest.raises(ValueError, match="no entry"):
+        shd.logical_to_spec(("nonsense",), (4,), mesh)
+
+
+def test_global_batch_and_process_slice_single_process():
+    mesh = mesh_of((2, 2, 2))
+    assert shd.process_batch_slice(mesh, 8) == (0, 1)
+    local = {"inputs": np.arange(8 * 4).reshape(8, 4)}
+    out = shd.global_batch(local, mesh)["inputs"]
+    assert out.shape == (8, 4) and out.sharding.spec == P(("data", "fsdp"), None)
+    np.testing.assert_array_equal(np.asarray(out), local["inputs"])
+    with pytest.raises(ValueError, match="not divisible"):
+        shd.process_batch_slice(mesh, 6)
