@@ -54,7 +54,7 @@ EXTRA_SCALES: dict[str, dict[str, Any]] = {
     "mini": dict(d_model=64, n_layers=2, n_heads=4, d_ff=256, max_len=128, coupling_hidden=12, affine_hidden=12),
 }
 
-MAIN_VARIANTS = ("standard", "coupled_euler", "coupled_leapfrog", "mlp_only", "affine", "differential")
+MAIN_VARIANTS = ("standard", "coupled_euler", "coupled_leapfrog", "mlp_only", "differential", "affine")
 
 
 @dataclasses.dataclass
@@ -90,6 +90,7 @@ class Run:
     tokenizer: str = "bpe"
     vocab_size: int | None = None
     group: str = "main"
+    num_train: int = 0  # MQAR: training examples (0 = the level's own)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Run":
@@ -139,12 +140,14 @@ def mqar_configs(run: Run):
 
     cfg = mqar_cfg.get_config(f"{run.variant},{run.level}")
     cfg.mqar.epochs = int(run.epochs)
+    cfg.mqar.num_train = int(run.num_train)
     cfg = mqar_cfg.finalize(cfg)
     model = dict(cfg.model)
     model.update(run.model)
     train = dict(cfg.train)
     train.update(run.train)
-    return ModelConfig.from_dict(model), train, int(run.epochs), int(cfg.mqar.eval_every_epochs)
+    return ModelConfig.from_dict(model), train, int(run.epochs), int(cfg.mqar.eval_every_epochs), int(
+        cfg.mqar.num_train or 0)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -154,7 +157,7 @@ def mqar_configs(run: Run):
 
 def recipe(name: str, *, scale: str, steps: int, seeds: tuple[int, ...], corpus: Any = "stdlib",
            corpus_dir: str | None = None, levels: tuple[str, ...] = ("easy",), epochs: int = 16,
-           variants: tuple[str, ...] | None = None) -> list[Run]:
+           variants: tuple[str, ...] | None = None, num_train: int = 0) -> list[Run]:
     """The runs of one paper-claim recipe (see the module docstring)."""
     common = dict(scale=scale, corpus=corpus, steps=steps, seeds=seeds)
     if name == "a":
@@ -163,7 +166,9 @@ def recipe(name: str, *, scale: str, steps: int, seeds: tuple[int, ...], corpus:
         return [Run(v, v, **common) for v in (variants or ("standard", "coupled_euler", "coupled_leapfrog"))]
     if name == "c":
         runs = [Run("standard", "standard", **common)]
-        runs += [Run(f"coupled_euler_n{n}", "coupled_euler", model={"n_steps": n}, **common) for n in (1, 2, 3, 5, 7)]
+        # n = 1 is the config default, left implicit so the run is recipe a's coupled_euler (reusable).
+        runs += [Run(f"coupled_euler_n{n}", "coupled_euler", model={"n_steps": n} if n > 1 else {}, **common)
+                 for n in (1, 2, 3, 5, 7)]
         return runs
     if name == "d":
         return [Run(v, v, **common) for v in (variants or ("standard", "coupled_euler", "mlp_only"))]
@@ -182,7 +187,8 @@ def recipe(name: str, *, scale: str, steps: int, seeds: tuple[int, ...], corpus:
                 runs.append(Run(f"{tag}/{v}", v, scale=scale, corpus=corp, steps=steps, seeds=seeds, group=tag))
         return runs
     if name == "g":
-        return [Run(f"{lvl}/{v}", v, task="mqar", level=lvl, epochs=epochs, seeds=seeds, group=lvl)
+        return [Run(f"{lvl}/{v}", v, task="mqar", level=lvl, epochs=epochs, seeds=seeds, group=lvl,
+                    num_train=num_train)
                 for lvl in levels for v in (variants or ("standard", "coupled_euler", "coupled_leapfrog", "mlp_only"))]
     if name == "h":
         return [Run(v, v, **common) for v in
@@ -298,9 +304,9 @@ def run_lm(run: Run, cache_dir: str, eval_points: int) -> dict[str, Any]:
 def run_mqar(run: Run) -> dict[str, Any]:
     from coupled_qk_jax.training.seeds import train_mqar_seeds  # noqa: PLC0415
 
-    model_cfg, train, epochs, eval_every = mqar_configs(run)
+    model_cfg, train, epochs, eval_every, num_train = mqar_configs(run)
     res, _ = train_mqar_seeds(model_cfg, train, run.seeds, run.level, epochs=epochs, eval_every_epochs=eval_every,
-                              progress=lambda m: _log(f"[{run.name}] {m}"))
+                              num_train=num_train or None, progress=lambda m: _log(f"[{run.name}] {m}"))
     out = res.to_dict()
     out.update(run=dataclasses.asdict(run), model=dataclasses.asdict(model_cfg), train_cfg=train)
     return out
@@ -310,9 +316,32 @@ def _safe(name: str) -> str:
     return name.replace("/", "__").replace("+", "_plus_")
 
 
-def run_all(runs: list[Run], out: Path, cache_dir: str, eval_points: int = 10, force: bool = False
-            ) -> dict[str, dict[str, Any]]:
-    """Run every run not already saved under OUT/runs (all of them with force) and return all results by name."""
+def _same_config(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Two saved `run` dicts describe the same training (names may differ: a recipe's `coupled_euler_n1` is
+    recipe a's `coupled_euler`)."""
+    strip = lambda d: {k: v for k, v in d.items() if k != "name"}  # noqa: E731
+    return strip(a) == strip(b)
+
+
+def _find_reusable(run: Run, reuse: list[Path]) -> dict[str, Any] | None:
+    want = json.loads(json.dumps(dataclasses.asdict(run)))
+    for d in reuse:
+        for path in sorted((d / "runs").glob("*.json")):
+            saved = json.loads(path.read_text())
+            if _same_config(saved.get("run", {}), want):
+                saved["run"] = want
+                saved["reused_from"] = str(path)
+                return saved
+    return None
+
+
+def run_all(runs: list[Run], out: Path, cache_dir: str, eval_points: int = 10, force: bool = False,
+            reuse: list[Path] | None = None) -> dict[str, dict[str, Any]]:
+    """Run every run not already saved under OUT/runs (all of them with force) and return all results by name.
+
+    With `reuse`, a run whose exact configuration (all fields but the name) was saved by another sweep under one of
+    those directories is copied from there instead of being retrained (recipes b, c, d, e and h share runs with a).
+    """
     names = [r.name for r in runs]
     if len(set(names)) != len(names):
         raise ValueError(f"run names must be unique, got {names}")
@@ -326,6 +355,12 @@ def run_all(runs: list[Run], out: Path, cache_dir: str, eval_points: int = 10, f
                 _log(f"[{run.name}] already done, skipping")
                 results[run.name] = saved
                 continue
+        found = None if force else _find_reusable(run, reuse or [])
+        if found is not None:
+            _log(f"[{run.name}] reusing {found['reused_from']}")
+            path.write_text(json.dumps(found, indent=1))
+            results[run.name] = found
+            continue
         _log(f"[{run.name}] start: {run}")
         t0 = time.perf_counter()
         result = run_mqar(run) if run.task == "mqar" else run_lm(run, cache_dir, eval_points)
@@ -604,11 +639,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prepare-corpora", metavar="DIR", help="download the heterogeneous corpus' sources and exit")
     p.add_argument("--levels", default="easy", help="recipe g: comma-separated MQAR levels")
     p.add_argument("--epochs", type=int, default=16, help="recipe g: MQAR epochs")
+    p.add_argument("--mqar-num-train", type=int, default=0, help="recipe g: training examples (0 = the level's)")
     p.add_argument("--variants", help="comma-separated variants overriding the recipe's list")
     p.add_argument("--target-ppl", type=float, help="perplexity for tokens-to-target (default: see lm_rows)")
     p.add_argument("--eval-points", type=int, default=10, help="validation evaluations per run")
     p.add_argument("--cache-dir", default=os.path.expanduser("~/.cache/coupled_qk_jax"))
     p.add_argument("--force", action="store_true", help="rerun runs that are already saved")
+    p.add_argument("--reuse", default="", help="comma-separated output dirs of other sweeps whose identical runs "
+                                               "are copied instead of retrained")
     args = p.parse_args(argv)
 
     if args.prepare_corpora:
@@ -622,12 +660,14 @@ def main(argv: list[str] | None = None) -> None:
     else:
         runs = recipe(args.recipe, scale=args.scale, steps=args.steps, seeds=seeds, corpus=args.corpus,
                       corpus_dir=args.corpus_dir, levels=tuple(args.levels.split(",")), epochs=args.epochs,
-                      variants=tuple(args.variants.split(",")) if args.variants else None)
+                      variants=tuple(args.variants.split(",")) if args.variants else None,
+                      num_train=args.mqar_num_train)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     command = "python -m experiments.sweep " + " ".join(shlex.quote(a) for a in (argv if argv is not None
                                                                                    else sys.argv[1:]))
-    results = run_all(runs, out, args.cache_dir, eval_points=args.eval_points, force=args.force)
+    reuse = [Path(d) for d in args.reuse.split(",") if d]
+    results = run_all(runs, out, args.cache_dir, eval_points=args.eval_points, force=args.force, reuse=reuse)
     targets = {"main": "coupled_euler"} if args.recipe == "e" else None
     report(results, out, command, args.target_ppl, targets,
            title=f"Recipe {args.recipe}" if args.recipe else f"Sweep {args.spec}")

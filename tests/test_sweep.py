@@ -92,5 +92,5 @@ def test_recipes_build(name):
 def test_recipe_g_mqar_configs():
     runs = sweep.recipe("g", scale="mini", steps=0, seeds=(0,), levels=("easy", "hard"), epochs=2)
     for r in runs:
-        model_cfg, train, epochs, _ = sweep.mqar_configs(r)
+        model_cfg, train, epochs, _, _ = sweep.mqar_configs(r)
         assert model_cfg.d_ff == 0 and epochs == 2 and train["steps"] > 0
