@@ -83,6 +83,16 @@ class Checkpointer:
         out = self.manager.restore(step, args=ocp.args.Composite(**args))
         return out["state"]
 
+    def drop_unverified(self, step: int) -> int | None:
+        """After a non-finite loss at ``step + 1``: the params saved at ``step`` produced it (a loss is computed
+        with the previous step's params), so that checkpoint is not good. Delete it when an older one exists, so
+        that a resume starts from a verified checkpoint; return the step of the last good one."""
+        steps = self.all_steps()
+        if step in steps and len(steps) > 1:
+            self.manager.delete(step)
+            steps.remove(step)
+        return max(steps) if steps else None
+
     def wait(self) -> None:
         """Blocks until a pending async save is on disk (and renamed into place)."""
         self.manager.wait_until_finished()

@@ -292,6 +292,7 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True
             if not (math.isfinite(loss) and math.isfinite(grad_norm)):
                 status = "nonfinite"
                 s.checkpointer.wait()
+                last_saved = s.checkpointer.drop_unverified(step - 1)
                 raise NonFiniteLossError(
                     f"non-finite loss ({loss}) or gradient norm ({grad_norm}) at step {step}; stopped, the last good "
                     f"checkpoint is {'step ' + str(last_saved) if last_saved is not None else 'none (no save yet)'}")
