@@ -319,7 +319,7 @@ def run_lm(run: Run, cache_dir: str, eval_points: int) -> dict[str, Any]:
     model_cfg, train, seq_len, batch = lm_configs(run)
     cache = build_token_cache(run.corpus, cache_dir, tokenizer=run.tokenizer, vocab_size=model_cfg.vocab_size)
     eval_every = max(1, run.steps // eval_points) if eval_points else 0
-    res, _ = train_lm_seeds(model_cfg, train, run.seeds, cache.tokens("train"), cache.tokens("validation"),
+    res, sp = train_lm_seeds(model_cfg, train, run.seeds, cache.tokens("train"), cache.tokens("validation"),
                             seq_len=seq_len, batch_size=batch, steps=run.steps, eval_every=eval_every,
                             log_every=max(1, run.steps // 50), eot_id=cache.eot_id,
                             progress=lambda m: _log(f"[{run.name}] {m}"))
@@ -327,17 +327,36 @@ def run_lm(run: Run, cache_dir: str, eval_points: int) -> dict[str, Any]:
     out.update(run=dataclasses.asdict(run), model=dataclasses.asdict(model_cfg), train_cfg=train,
                seq_len=seq_len, batch_size=batch, corpus_str=cache.manifest["corpus_str"],
                train_tokens_available=int(cache.manifest["splits"]["train"]["tokens"]))
+    from coupled_qk_jax.data.pipeline import eval_batches  # noqa: PLC0415
+
+    # attention diagnostics of every trained seed on the first validation windows (full windows only)
+    first = next(iter(eval_batches(cache.tokens("validation"), seq_len, DIAG_WINDOWS, bos_id=cache.eot_id)))
+    out["diagnostics"] = _diagnose(sp, first["inputs"][(first["targets"] != -100).all(axis=1)])
     return out
+
+
+DIAG_WINDOWS = 8  # windows of the validation split (LM) or test examples (MQAR) the diagnostics are computed on
+
+
+def _diagnose(sp, tokens: np.ndarray) -> list[dict[str, Any]]:
+    """Per-seed attention diagnostics (coupled_qk_jax.diagnostics_report) of a trained seed-parallel state."""
+    from coupled_qk_jax.diagnostics_report import compute_diagnostics  # noqa: PLC0415
+
+    return [compute_diagnostics(sp.model_of(i), tokens) for i in range(sp.num_seeds)]
 
 
 def run_mqar(run: Run) -> dict[str, Any]:
     from coupled_qk_jax.training.seeds import train_mqar_seeds  # noqa: PLC0415
 
     model_cfg, train, epochs, eval_every, num_train = mqar_configs(run)
-    res, _ = train_mqar_seeds(model_cfg, train, run.seeds, run.level, epochs=epochs, eval_every_epochs=eval_every,
-                              num_train=num_train or None, progress=lambda m: _log(f"[{run.name}] {m}"))
+    res, sp = train_mqar_seeds(model_cfg, train, run.seeds, run.level, epochs=epochs, eval_every_epochs=eval_every,
+                               num_train=num_train or None, progress=lambda m: _log(f"[{run.name}] {m}"))
     out = res.to_dict()
     out.update(run=dataclasses.asdict(run), model=dataclasses.asdict(model_cfg), train_cfg=train)
+    from coupled_qk_jax.data import mqar  # noqa: PLC0415
+
+    _, test = mqar.LEVELS[run.level].mix().segments()
+    out["diagnostics"] = _diagnose(sp, test[0].generate()[0][:DIAG_WINDOWS].astype(np.int32))
     return out
 
 
@@ -452,6 +471,7 @@ def lm_rows(results: dict[str, dict[str, Any]], target_ppl: float | None, target
                 "seeds_reaching_target": len(reached),
                 "train_seconds": r["train_seconds"], "tokens_per_s_all_seeds": S * tok_per_seed / r["train_seconds"],
                 "eval_tokens": r["eval_tokens"],
+                **_diag_means(r),
             })
     # relative change against the group's standard run with the same step count (the paper's "change" column)
     for row in rows:
@@ -474,6 +494,17 @@ def _tokens_to_target(r: dict[str, Any], seed_index: int, log_target: float) -> 
     return None
 
 
+DIAG_KEYS = ("effective_rank", "entropy_normalized", "sink_mass", "sigma2_over_sigma1", "induction_mass",
+             "dt_mean")
+
+
+def _diag_means(r: dict[str, Any]) -> dict[str, float]:
+    """Model-mean attention diagnostics averaged over seeds (NaN when the run has none, e.g. an older save)."""
+    reps = r.get("diagnostics") or []
+    return {f"diag_{k}": (float(np.mean([d["model_mean"][k] for d in reps]))
+                          if reps and all(k in d["model_mean"] for d in reps) else float("nan")) for k in DIAG_KEYS}
+
+
 def mqar_rows(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     rows = []
     for n, r in results.items():
@@ -486,7 +517,8 @@ def mqar_rows(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
                      "seeds": len(r["seeds"]), "params": r["num_params"], "accuracy_mean": m, "accuracy_std": s,
                      "accuracy_seeds": " ".join(f"{a:.3f}" for a in r["accuracy"][-1]),
                      "best_accuracy_mean": bm, "best_accuracy_std": bs,
-                     "valid_loss_mean": _ms(r["valid_loss"][-1])[0], "train_seconds": r["train_seconds"]})
+                     "valid_loss_mean": _ms(r["valid_loss"][-1])[0], "train_seconds": r["train_seconds"],
+                     **_diag_means(r)})
     return rows
 
 
@@ -513,6 +545,9 @@ LM_COLUMNS = [("run", "run"), ("variant", "variant"), ("steps", "steps"), ("seed
               ("target_ppl", "target ppl"), ("tokens_to_target_mean", "tokens to target (mean)"),
               ("seeds_reaching_target", "seeds reaching"), ("train_seconds", "wall s (all seeds)"),
               ("tokens_per_s_all_seeds", "tok/s (all seeds)")]
+DIAG_COLUMNS = [("run", "run"), ("diag_effective_rank", "attn eff. rank"),
+                ("diag_entropy_normalized", "attn entropy (norm.)"), ("diag_sink_mass", "sink mass"),
+                ("diag_sigma2_over_sigma1", "σ2/σ1"), ("diag_induction_mass", "induction mass"), ("diag_dt_mean", "mean Δt")]
 MQAR_COLUMNS = [("level", "level"), ("variant", "variant"), ("epochs", "epochs"), ("seeds", "seeds"),
                 ("params", "params"), ("accuracy_mean", "accuracy (mean)"), ("accuracy_std", "± std"),
                 ("accuracy_seeds", "per seed"), ("best_accuracy_mean", "best-epoch acc (mean)"),
@@ -615,6 +650,13 @@ def report(results: dict[str, dict[str, Any]], out: Path, command: str, target_p
         write_csv(out / ("mqar_results.csv" if lmr else "results.csv"), mqr)
     write_curves(out / "curves.csv", results)
     plots = plot(results, out)
+    from coupled_qk_jax.diagnostics_report import plot_diagnostics  # noqa: PLC0415
+
+    for name, r in results.items():
+        if r.get("diagnostics"):
+            (out / "diagnostics").mkdir(exist_ok=True)
+            plot_diagnostics(r["diagnostics"][0], out / "diagnostics" / f"{_safe(name)}_seed{r['seeds'][0]}.png",
+                             title=f"{name}, seed {r['seeds'][0]}")
     md = [f"# {title or 'Sweep results'}", "", "Produced by:", "", "```bash", command, "```", ""]
     if lmr:
         first = next(iter(r for r in results.values() if r["run"]["task"] == "lm"))
@@ -627,10 +669,18 @@ def report(results: dict[str, dict[str, Any]], out: Path, command: str, target_p
             if len(groups) > 1:
                 md += [f"## {g}", ""]
             md += [markdown_table([r for r in lmr if r["group"] == g], LM_COLUMNS), ""]
+        if any(not math.isnan(r["diag_effective_rank"]) for r in lmr):
+            md += ["Attention diagnostics after training (`coupled_qk_jax.diagnostics_report`; model means over layers "
+                   f"and heads on the first {DIAG_WINDOWS} validation windows, averaged over seeds):", "",
+                   markdown_table(lmr, DIAG_COLUMNS), ""]
     if mqr:
         md += ["## MQAR", "", "Accuracy = zoology's valid/accuracy (mean over test examples of the per-example "
                "fraction of correctly recalled values) at the last epoch; mean ± sample std over seeds.", "",
                markdown_table(mqr, MQAR_COLUMNS), ""]
+        if any(not math.isnan(r["diag_effective_rank"]) for r in mqr):
+            md += [f"Attention diagnostics after training (first {DIAG_WINDOWS} test examples, averaged over seeds; "
+                   "induction mass = attention on the value following the earlier occurrence of the query key):", "",
+                   markdown_table(mqr, DIAG_COLUMNS), ""]
     md += [f"![{p.stem}]({p.name})" for p in plots]
     (out / "results.md").write_text(_scrub("\n".join(md) + "\n"))
     (out / "command.txt").write_text(_scrub(command) + "\n")

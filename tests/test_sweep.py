@@ -53,11 +53,18 @@ def test_sweep_end_to_end(tmp_path, text_dir):
         # a byte-level model barely trained for 6 steps: perplexity below the uniform 257 but far from perfect
         assert 1.0 < float(r["val_ppl_mean"]) < 257.0 * 1.5
         assert float(r["tokens_per_s_all_seeds"]) > 0
+        # attention diagnostics of each trained seed, summarised as seed means
+        assert len(saved["diagnostics"]) == 2
+        erank = np.mean([d["model_mean"]["effective_rank"] for d in saved["diagnostics"]])
+        assert float(r["diag_effective_rank"]) == pytest.approx(erank)
+        assert 1.0 <= erank <= 32.0  # between rank one and the window length
+        assert (out / "diagnostics" / f"{r['run']}_seed0.png").is_file()
     # the default target is the worse run's final mean perplexity, which every run (on average) reaches
     target = max(float(r["val_ppl_mean"]) for r in rows)
     assert all(float(r["target_ppl"]) == pytest.approx(target) for r in rows)
     md = (out / "results.md").read_text()
     assert "| run |" in md and "coupled_euler" in md and "python -m experiments.sweep --spec" in md
+    assert "attn eff. rank" in md
     with open(out / "curves.csv") as f:
         curves = list(csv.DictReader(f))
     assert {c["split"] for c in curves} == {"train", "validation"}
