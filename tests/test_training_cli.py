@@ -1,0 +1,119 @@
+"""train.py / eval.py as a user runs them: subprocesses on 2 CPU devices, a byte-tokenised text_dir fixture."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from test_training import write_corpus
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SUMMARY_KEYS = {"variant", "scale", "n_params", "step", "tokens_seen", "train_loss", "val_loss", "val_ppl",
+                "wall_seconds", "tokens_per_second"}
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2", PYTHONPATH=ROOT)
+    return env
+
+
+def _flags(tmp_path, steps: int, **extra) -> list[str]:
+    corpus = tmp_path / "corpus"
+    if not corpus.exists():
+        write_corpus(corpus)
+    flags = {
+        "model.vocab_size": 257, "model.d_model": 32, "model.n_layers": 2, "model.d_ff": 64, "model.max_len": 32,
+        "model.coupling_hidden": 6, "data.corpus": f"text_dir:{corpus}", "data.tokenizer": "byte",
+        "data.seq_len": 32, "data.split_fractions": "0.6,0.2,0.2", "data.cache_dir": str(tmp_path / "cache"),
+        "train.steps": steps, "train.batch_size": 4, "train.warmup_steps": 2, "train.log_every": 1,
+        "train.eval_every": 0, "checkpoint.every": 1000, **extra}
+    return [f"--config.{k}={v}" for k, v in flags.items()]
+
+
+def _run(args: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=_env(), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_cli_train_then_eval_end_to_end(tmp_path):
+    workdir = tmp_path / "run"
+    t0 = time.perf_counter()
+    out = _run(["train.py", "--config=configs/lm.py:coupled_euler,tiny", f"--workdir={workdir}",
+                *_flags(tmp_path, steps=4)])
+    assert out.returncode == 0, out.stderr[-2000:]
+    summary = json.loads((workdir / "summary.json").read_text())
+    assert SUMMARY_KEYS <= summary.keys()
+    assert summary["variant"] == "coupled_euler" and summary["scale"] == "tiny" and summary["step"] == 4
+    assert summary["tokens_seen"] == 4 * 4 * 32
+    lines = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines if "train_loss" in r] == [1, 2, 3, 4]
+    assert any(name.startswith("events.out.tfevents") for name in os.listdir(workdir / "tb"))
+
+    out = _run(["eval.py", f"--workdir={workdir}", "--split=test"])  # the checkpoint's own config
+    assert out.returncode == 0, out.stderr[-2000:]
+    summary = json.loads((workdir / "summary.json").read_text())
+    assert SUMMARY_KEYS <= summary.keys() and summary["test_tokens"] > 0
+    assert abs(summary["test_ppl"] - 2.718281828459045 ** summary["test_loss"]) < 1e-6 * summary["test_ppl"]
+    elapsed = time.perf_counter() - t0
+    assert elapsed < 90, f"train + eval took {elapsed:.0f} s"  # ~20 s on an idle 2-core machine
+
+
+def test_cli_bad_input_is_one_line(tmp_path):
+    out = _run(["train.py", "--config=configs/lm.py:standard,tiny", f"--workdir={tmp_path / 'run'}",
+                *_flags(tmp_path, steps=2, **{"data.seq_len": 64})])
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines()[-1] == "error: data.seq_len=64 exceeds model.max_len=32"
+    assert "Traceback" not in out.stderr
+
+
+def test_sigterm_saves_exits_zero_and_resumes(tmp_path):
+    workdir = tmp_path / "run"
+    args = ["train.py", "--config=configs/lm.py:standard,tiny", f"--workdir={workdir}"]
+    proc = subprocess.Popen([sys.executable, *args, *_flags(tmp_path, steps=100000)], cwd=ROOT, env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        metrics = workdir / "metrics.jsonl"
+        deadline = time.time() + 120
+        while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
+            time.sleep(0.2)
+        assert metrics.exists(), "training never logged a step"
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-2000:]
+    summary = json.loads((workdir / "summary.json").read_text())
+    reached = summary["step"]
+    assert summary["status"] == "preempted" and reached >= 3
+    assert summary["checkpoint_step"] == reached
+    assert str(reached) in os.listdir(workdir / "checkpoints")
+
+    # Resume: continues from the saved step to the new target, without repeating steps in metrics.jsonl.
+    out = _run([*args, *_flags(tmp_path, steps=reached + 2)])
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert f"at step {reached}" in out.stdout
+    summary = json.loads((workdir / "summary.json").read_text())
+    assert summary["step"] == reached + 2 and summary["status"] == "completed"
+    steps = [json.loads(x)["step"] for x in (workdir / "metrics.jsonl").read_text().splitlines()
+             if "train_loss" in json.loads(x)]
+    assert steps == list(range(1, reached + 3))
+
+
+@pytest.mark.parametrize("bad", ["missing", "empty"])
+def test_cli_missing_or_empty_corpus(tmp_path, bad):
+    corpus = tmp_path / bad
+    if bad == "empty":
+        corpus.mkdir()
+    out = _run(["train.py", "--config=configs/lm.py:standard,tiny", f"--workdir={tmp_path / 'run'}",
+                *_flags(tmp_path, steps=2, **{"data.corpus": f"text_dir:{corpus}"})])
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ") and str(corpus) in last
