@@ -3,7 +3,7 @@
     x --W_Q,W_K,W_V--> q, k, v  [B, T, H, d_head]
     (q, k) <- QK transform      none | coupled dynamics (dynamics.py) | affine coupling (invertible.py)
     (q, k) <- RoPE              only with positions="rope": the transform runs *before* the rotation
-    o      <- scoring           softmax: jax.nn.dot_product_attention  |  differential (specs/diffattn.md)
+    o      <- scoring           softmax (cuDNN, or explicit causal query blocks)  |  differential (specs/diffattn.md)
     y      =  o W_O
 
 With differential scoring the H = n_heads projections are read as H/2 differential heads, each made of two
@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import warnings
 import zlib
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -70,17 +71,70 @@ def apply_rope(x: Array, base: float) -> Array:
 
 
 def choose_implementation(requested: str, dtype, head_dim: int) -> str:
-    """cuDNN fused attention when the backend, dtype and head dim allow it; XLA otherwise (with a warning when cuDNN
-    was asked for explicitly)."""
+    """cuDNN fused attention when the backend, dtype and head dim allow it; otherwise the explicit chunked-causal path
+    ("auto"), or exactly what was asked for ("xla": jax.nn.dot_product_attention's XLA path, "explicit"). A request
+    for cuDNN that cannot be honoured falls back to "explicit" with a warning."""
     cudnn_ok = (jax.default_backend() == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
                 and head_dim % 8 == 0 and head_dim <= 128)
-    if requested == "xla" or (requested == "auto" and not cudnn_ok):
-        return "xla"
+    if requested in ("xla", "explicit"):
+        return requested
+    if requested == "auto":
+        return "cudnn" if cudnn_ok else "explicit"
     if not cudnn_ok:
         warnings.warn(f"attention_impl='cudnn' unavailable (backend={jax.default_backend()}, dtype={jnp.dtype(dtype)}, "
-                      f"head_dim={head_dim}); falling back to 'xla'", stacklevel=2)
-        return "xla"
+                      f"head_dim={head_dim}); falling back to 'explicit'", stacklevel=2)
+        return "explicit"
     return "cudnn"
+
+
+def auto_chunks(t: int) -> int:
+    """Query blocks for the explicit causal path: blocks of about 64 queries, at most 8 of them.
+
+    Block i only scores keys [0, end_i), so the upper-triangle work skipped is (1 - (n+1)/(2n)) of a full T×T (25% at
+    n=2, 37.5% at n=4, 44% at n=8); more blocks mean more, smaller matmuls and more HLO, hence the cap (NOTES.md).
+    """
+    return max(1, min(8, t // 64))
+
+
+def _stable_softmax(s: Array) -> Array:
+    """Softmax over the last axis. The max is a constant shift (stop_gradient), so autodiff differentiates only
+    exp / sum: the same gradient as jax.nn.softmax with fewer ops in the backward pass."""
+    m = jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
+    e = jnp.exp(s - m)
+    return e / jnp.sum(e, axis=-1, keepdims=True)
+
+
+def chunked_causal_attention(q: Array, k: Array, v: Array, scale: float, n_chunks: int = 0,
+                             mix: Callable[[Array], Array] | None = None) -> Array:
+    """Causal softmax attention computed in query blocks, each against only the keys it can see.
+
+    q, k: [B, T, H, d]; v: [B, T, Hv, dv]; returns [B, T, Hv, dv]. `mix` maps fp32 probabilities [B, H, c, S] to
+    [B, Hv, c, S] before the value product (differential attention's A1 − λ·A2); without it Hv must equal H.
+
+    Why not jax.nn.dot_product_attention(implementation="xla")? On CPU its fwd+bwd was ~2× slower than this
+    (benchmarks/NOTES.md): it scores the full T×T square, and this path also skips the masked upper-triangle blocks.
+    Peak [*, T, T]-sized memory is the same as one full score tensor (the blocks partition it).
+    """
+    b, t, h, d = q.shape
+    n = n_chunks or auto_chunks(t)
+    n = max(1, min(n, t))
+    # Heads-major layout: every matmul below is then a plain batch over (B, H) with contiguous [T, d] operands.
+    qt = jnp.swapaxes(q * jnp.asarray(scale, q.dtype), 1, 2)
+    kt = jnp.swapaxes(k, 1, 2)
+    vt = jnp.swapaxes(v, 1, 2)
+    bounds = [t * i // n for i in range(n + 1)]
+    outs = []
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        if hi == lo:
+            continue
+        s = jnp.einsum("bhqd,bhkd->bhqk", qt[:, :, lo:hi], kt[:, :, :hi], preferred_element_type=jnp.float32)
+        visible = (lo + jnp.arange(hi - lo))[:, None] >= jnp.arange(hi)[None, :]
+        p = _stable_softmax(jnp.where(visible, s, jnp.finfo(jnp.float32).min))
+        if mix is not None:
+            p = mix(p)
+        outs.append(jnp.einsum("bhqk,bhkd->bhqd", p.astype(v.dtype), vt[:, :, :hi]))
+    o = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=2)
+    return jnp.swapaxes(o, 1, 2)
 
 
 def causal_softmax(q: Array, k: Array, scale: float) -> Array:
@@ -166,8 +220,9 @@ class CausalSelfAttention(nnx.Module):
             if mlp is None:
                 raise ValueError("model.coupling_scope='shared' needs the model's shared coupling MLP")
             dt = self.dt[...].astype(q.dtype)
-            return dynamics.evolve_heads(q, k, dt, mlp.params(q.dtype), cfg.n_steps, DYNAMICS_METHOD[transform],
-                                         per_head_params=cfg.per_head_params, unroll=cfg.scan_unroll)
+            evolve = dynamics.evolve_heads_batched if cfg.coupling_lowering == "batched" else dynamics.evolve_heads
+            return evolve(q, k, dt, mlp.params(q.dtype), cfg.n_steps, DYNAMICS_METHOD[transform],
+                          per_head_params=cfg.per_head_params, unroll=cfg.scan_unroll)
         if transform == "affine":
             return invertible.affine_forward(self.affine.params(q.dtype), q, k)
         return q, k
@@ -180,13 +235,15 @@ class CausalSelfAttention(nnx.Module):
 
     # -- scoring ----------------------------------------------------------------------------------------------------
     def _softmax_scores(self, q, k, v, impl: str) -> Array:
+        if impl == "explicit":
+            return chunked_causal_attention(q, k, v, q.shape[-1] ** -0.5, self.cfg.attention_chunks)
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
 
     def _differential_scores(self, q, k, v, impl: str, form: str | None = None) -> Array:
         """Differential attention on [B, T, H, dh] half-head views; returns [B, T, H, dh] (before W_O).
 
         form: "virtual_heads" (one fused dot_product_attention call; the default under cuDNN) or "explicit"
-        (einsum scores; the default under XLA, where it does half the FLOPs)."""
+        (einsum scores in causal query blocks; the default otherwise, where it does half the FLOPs)."""
         b, t, h, dh = q.shape
         hd = h // 2
         lam = self.lambda_value()
@@ -206,9 +263,11 @@ class CausalSelfAttention(nnx.Module):
         else:
             # Explicit form: one score tensor for both half-heads, A1 − λ·A2 combined *before* the value product
             # (the same FLOPs as the 2·hd-head baseline).
-            probs = causal_softmax(q, k, scale).reshape(b, hd, 2, t, t)
-            mix = (probs[:, :, 0] - lam * probs[:, :, 1]).astype(v.dtype)
-            o = jnp.einsum("bhqk,bkhe->bqhe", mix, v.reshape(b, t, hd, 2 * dh))
+            def mix(probs: Array) -> Array:  # [B, H, c, S] -> [B, H/2, c, S]
+                probs = probs.reshape((b, hd, 2) + probs.shape[2:])
+                return probs[:, :, 0] - lam * probs[:, :, 1]
+
+            o = chunked_causal_attention(q, k, v.reshape(b, t, hd, 2 * dh), scale, self.cfg.attention_chunks, mix)
         o = rms_norm(o, self.subln_scale[...], eps=1e-5) * (1.0 - self.lambda_init)
         return o.reshape(b, t, h, dh)
 

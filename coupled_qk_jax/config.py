@@ -58,6 +58,9 @@ class ModelConfig:
     coupling_scope: str = "layer"  # "layer": one f per layer; "shared": one f for every layer
     per_head_params: bool = False  # one f per head (stacked on a leading H axis) instead of one shared by all heads
     scan_unroll: int = 1  # lax.scan unroll over the n dynamics steps
+    # How f is applied over heads: "batched" (one matmul over all heads; the faster, see benchmarks/NOTES.md) or
+    # "vmap" (dynamics.evolve_heads, jax.vmap over the head axis). The same maths either way.
+    coupling_lowering: str = "batched"
     # Affine invertible coupling.
     affine_hidden: int = 24
     affine_pairs: int = 1
@@ -68,7 +71,8 @@ class ModelConfig:
     dropout: float = 0.0
     dtype: str = "float32"  # compute dtype; params are always float32
     remat: str = "none"  # "none" | "full" | "dots" (save matmul outputs) | "nothing_saveable"
-    attention_impl: str = "auto"  # "auto" | "xla" | "cudnn"
+    attention_impl: str = "auto"  # "auto" (cudnn if possible, else explicit) | "explicit" | "xla" | "cudnn"
+    attention_chunks: int = 0  # query blocks of the explicit causal path; 0 = auto (about T/64, at most 8)
     init_std: float = 0.02
 
     def __post_init__(self):
@@ -81,6 +85,9 @@ class ModelConfig:
                 raise ValueError(f"model.{name} must be an integer >= 1, got {value!r}")
         if not isinstance(self.n_steps, int) or self.n_steps < 1:
             raise ValueError(f"model.n_steps must be an integer >= 1, got {self.n_steps!r}")
+        chunks = self.attention_chunks
+        if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 0:
+            raise ValueError(f"model.attention_chunks must be an integer >= 0 (0 = auto), got {chunks!r}")
         if self.d_ff < 0:
             raise ValueError(f"model.d_ff must be >= 0 (0 = no MLP), got {self.d_ff}")
         if self.d_model % self.n_heads:
@@ -94,7 +101,8 @@ class ModelConfig:
             raise ValueError(f"model.positions='rope' needs an even head dim, got head_dim={self.head_dim}")
         choices = {"coupling_scope": ("layer", "shared"), "positions": ("learned", "rope", "none"),
                    "norm": ("rmsnorm", "layernorm"), "dtype": ("float32", "bfloat16", "float16"),
-                   "remat": ("none", "full", "dots", "nothing_saveable"), "attention_impl": ("auto", "xla", "cudnn")}
+                   "remat": ("none", "full", "dots", "nothing_saveable"), "coupling_lowering": ("batched", "vmap"),
+                   "attention_impl": ("auto", "explicit", "xla", "cudnn")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"model.{name} must be one of {allowed}, got {getattr(self, name)!r}")

@@ -59,8 +59,11 @@ def leapfrog_step(q: Array, k: Array, dt: Array | float, f: Force) -> tuple[Arra
 
 
 def uncoupled_step(q: Array, k: Array, dt: Array | float, f: Force) -> tuple[Array, Array]:
-    """MLP-only ablation: the same f and the same capacity, no cross terms: (q + dt*f(q), k + dt*f(k))."""
-    return q + dt * f(q), k + dt * f(k)
+    """MLP-only ablation: the same f and the same capacity, no cross terms: (q + dt*f(q), k + dt*f(k)).
+
+    f(q) and f(k) are one call on the stacked pair: one matmul with twice the rows instead of two small ones."""
+    fqk = f(jnp.stack([q, k]))
+    return q + dt * fqk[0], k + dt * fqk[1]
 
 
 STEP_FUNCTIONS: dict[str, StepFn] = {
@@ -91,13 +94,34 @@ def integrate(
 
     q, k: [..., d]; dt: a scalar (or anything broadcastable against q); n_steps: static int >= 1.
     `unroll` is passed to `lax.scan`: unrolling a small static n lets XLA fuse across steps (see benchmarks/NOTES.md).
+
+    Leapfrog is evaluated with n + 1 force evaluations instead of 2n: the closing half-kick of step i and the opening
+    half-kick of step i+1 both use f(q_{i+1}), so that value is computed once and carried through the scan. The ops
+    applied to (q, k) are exactly those of `leapfrog_step` in the same order (the same map, not an approximation).
     """
     step = _check(method, n_steps)
+    if method == "leapfrog" and n_steps > 1:
+        return _integrate_leapfrog_fused(q, k, dt, f, n_steps, unroll)
 
     def body(carry, _):
         return step(carry[0], carry[1], dt, f), None
 
     (q, k), _ = jax.lax.scan(body, (q, k), None, length=n_steps, unroll=unroll)
+    return q, k
+
+
+def _integrate_leapfrog_fused(q: Array, k: Array, dt: Array | float, f: Force, n_steps: int,
+                              unroll: int | bool) -> tuple[Array, Array]:
+    """n leapfrog steps with n + 1 evaluations of f: the scan carries f(q) of the current position."""
+
+    def body(carry, _):
+        q, k, fq = carry
+        k_half = k + 0.5 * dt * fq
+        q_new = q + dt * k_half
+        fq_new = f(q_new)
+        return (q_new, k_half + 0.5 * dt * fq_new, fq_new), None
+
+    (q, k, _), _ = jax.lax.scan(body, (q, k, f(q)), None, length=n_steps, unroll=unroll)
     return q, k
 
 
@@ -130,6 +154,15 @@ def evolve_heads(
     return jax.vmap(one_head, in_axes=(2, 2, 0, params_axis), out_axes=(2, 2))(q, k, dt, params)
 
 
+def coupling_mlp_heads(params: Mapping[str, Array], x: Array) -> Array:
+    """Per-head f on [..., H, d] with params stacked on a leading H axis: one batched matmul over heads.
+
+    params: w1 [H, d, h], b1 [H, h], w2 [H, h, d], b2 [H, d].  x: [..., H, d] -> [..., H, d].
+    """
+    hidden = jax.nn.silu(jnp.einsum("...hd,hdk->...hk", x, params["w1"]) + params["b1"])
+    return jnp.einsum("...hk,hkd->...hd", hidden, params["w2"]) + params["b2"]
+
+
 def evolve_heads_batched(
     q: Array,
     k: Array,
@@ -138,14 +171,21 @@ def evolve_heads_batched(
     n_steps: int,
     method: str,
     unroll: int | bool = 1,
+    per_head_params: bool = False,
 ) -> tuple[Array, Array]:
-    """Same maths as `evolve_heads` with shared params, written as one batched matmul over all heads.
+    """Same maths as `evolve_heads`, written as one batched matmul over all heads instead of a vmap over heads.
 
-    Δt broadcasts over the head axis ([H] -> [H, 1]), so f runs once on the whole [B, T, H, d_head] tensor instead
-    of once per head under vmap. Kept beside `evolve_heads` so that benchmarks can compare the two lowerings.
+    Δt broadcasts over the head axis ([H] -> [H, 1]), so f runs once on the whole [B, T, H, d_head] tensor (with
+    per-head params: one einsum batched over H). This is the attention layer's default lowering
+    (`model.coupling_lowering`); benchmarks/NOTES.md compares the two.
     """
     _check(method, n_steps)
-    f = functools.partial(coupling_mlp, params)
+    if q.ndim != 4 or q.shape != k.shape:
+        raise ValueError(f"q and k must both be [B, T, H, d_head]; got {q.shape} and {k.shape}")
+    if dt.shape != (q.shape[2],):
+        raise ValueError(f"dt must have shape [H]=({q.shape[2]},), got {dt.shape}")
+    mlp = coupling_mlp_heads if per_head_params else coupling_mlp
+    f = functools.partial(mlp, params)
     return integrate(q, k, dt[:, None].astype(q.dtype), f, n_steps, method, unroll)
 
 
