@@ -16,6 +16,8 @@ config_flags.DEFINE_config_file("config", None, "Config file and argument (defau
                                 lock_config=True)
 flags.DEFINE_string("workdir", None, "Run directory written by train.py.")
 flags.DEFINE_enum("split", "validation", ["validation", "test"], "Split to evaluate.")
+flags.DEFINE_bool("diagnostics", False, "Also write attention diagnostics of the checkpoint on the split's first "
+                  "windows to WORKDIR/diagnostics.{json,png} (coupled_qk_jax.diagnostics_report).")
 flags.mark_flags_as_required(["workdir"])
 FLAGS = flags.FLAGS
 
@@ -37,6 +39,14 @@ def _eval() -> None:
     key = "val" if FLAGS.split == "validation" else "test"
     print(f"step {summary['step']} {FLAGS.split}: loss {summary[key + '_loss']:.4f}, ppl {summary[key + '_ppl']:.3f} "
           f"over {summary[key + '_tokens']} tokens", flush=True)
+    if FLAGS.diagnostics:
+        from coupled_qk_jax.diagnostics_report import report_from_checkpoint
+
+        report = report_from_checkpoint(cfg, FLAGS.workdir, FLAGS.split)
+        means = report["model_mean"]
+        print(f"diagnostics: effective rank {means['effective_rank']:.3f}, normalised entropy "
+              f"{means['entropy_normalized']:.3f}, sink mass {means['sink_mass']:.3f} -> "
+              f"{FLAGS.workdir}/diagnostics.json, diagnostics.png", flush=True)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -159,4 +160,42 @@ def diagnostics_report(model: Any, tokens: Any, out_dir: str | Path | None = Non
         out.mkdir(parents=True, exist_ok=True)
         (out / f"{name}.json").write_text(json.dumps(report, indent=1))
         plot_diagnostics(report, out / f"{name}.png")
+    return report
+
+
+def report_from_checkpoint(cfg: Any, workdir: str, split: str = "validation", windows: int = 8,
+                           out_dir: str | Path | None = None) -> dict[str, Any]:
+    """Diagnostics of the latest checkpoint in ``workdir`` (a train.py run) on the first ``windows`` full windows
+    of ``split``; writes ``diagnostics.json`` and ``diagnostics.png`` to ``out_dir`` (default ``workdir``).
+
+    This is what ``eval.py --diagnostics`` calls. The checkpoint is restored exactly as eval.py's evaluation
+    restores it (``training.loop.setup`` + ``Checkpointer.restore``), then gathered to the host: the diagnostics
+    are small (a few windows) and run unsharded.
+    """
+    from flax import nnx  # noqa: PLC0415
+
+    from coupled_qk_jax.data.pipeline import eval_batches  # noqa: PLC0415
+    from coupled_qk_jax.training import loop  # noqa: PLC0415
+    from coupled_qk_jax.training.checkpoint import abstract_target  # noqa: PLC0415
+
+    workdir = os.path.abspath(workdir)
+    s = loop.setup(cfg, workdir)
+    try:
+        if s.latest is None:
+            raise ValueError(f"no completed checkpoint in {workdir}: train first")
+        state = s.checkpointer.restore(s.latest, abstract_target(s.abstract_state, s.shardings))
+    finally:
+        s.checkpointer.close()
+    params = jax.tree.map(lambda x: np.asarray(jax.device_get(x)), state["params"])
+    model = nnx.merge(s.graphdef, params)
+    seq_len = int(cfg.data.seq_len)
+    batch = next(iter(eval_batches(s.cache.tokens(split), seq_len, windows, bos_id=s.cache.eot_id)))
+    tokens = batch["inputs"][(batch["targets"] != -100).all(axis=1)]
+    if len(tokens) == 0:
+        raise ValueError(f"the {split} split has no full window of {seq_len} tokens")
+    report = diagnostics_report(model, tokens, out_dir=out_dir or workdir, name="diagnostics")
+    # rewrite the JSON with the provenance fields added
+    report["checkpoint_step"] = int(s.latest)
+    report["split"] = split
+    (Path(out_dir or workdir) / "diagnostics.json").write_text(json.dumps(report, indent=1))
     return report

@@ -4,6 +4,7 @@ expected values are computed independently in float64 numpy."""
 import json
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -80,3 +81,45 @@ def test_uniform_attention_sanity():
         # q = k = 0 before and after the dynamics (f(0) = 0 at init): norms 0, cosines 0 by the eps floor
         assert lay["qk_mean"]["q_norm_after"] == pytest.approx(0.0, abs=1e-6)
         assert lay["qk_mean"]["qk_cos_after"] == pytest.approx(0.0, abs=1e-6)
+
+
+def test_report_from_checkpoint(tmp_path):
+    """eval.py --diagnostics path: train 2 steps with the training loop, then report on the saved checkpoint; the
+    report equals the one computed directly on the final in-memory params."""
+    import os
+
+    from configs.lm import get_config
+    from coupled_qk_jax.data.pipeline import eval_batches
+    from coupled_qk_jax.diagnostics_report import compute_diagnostics, report_from_checkpoint
+    from coupled_qk_jax.training import loop
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    rng = np.random.default_rng(0)
+    for i in range(12):
+        (corpus / f"d{i}.txt").write_text(" ".join(rng.choice(["ab", "cd", "ef", "gh"], size=300)))
+    cfg = get_config("coupled_euler,tiny")
+    cfg.model.update(vocab_size=257, d_model=32, n_layers=2, n_heads=4, d_ff=64, max_len=32, coupling_hidden=6,
+                     affine_hidden=6)
+    cfg.data.update(corpus=f"text_dir:{corpus}", tokenizer="byte", seq_len=32, split_fractions="0.6,0.2,0.2",
+                    cache_dir=str(tmp_path / "cache"), num_threads=1)
+    cfg.train.update(steps=2, batch_size=8, warmup_steps=1, log_every=1, eval_every=0, eval_batches=1)
+    cfg.checkpoint.update(every=2, keep_last=1)
+    work = str(tmp_path / "run")
+    _, state = loop.train(cfg, work, progress=False, return_state=True)
+    rep = report_from_checkpoint(cfg, work, "validation", windows=4)
+    assert os.path.isfile(os.path.join(work, "diagnostics.json")) and os.path.isfile(os.path.join(work, "diagnostics.png"))
+    assert rep["checkpoint_step"] == 2 and len(rep["layers"]) == 2
+    # independent reference: the same windows through the in-memory trained params
+    from flax import nnx
+    from coupled_qk_jax.model import TransformerLM
+    from coupled_qk_jax.training.steps import split_model
+    from coupled_qk_jax.data.token_cache import build_token_cache
+
+    graphdef, _ = split_model(TransformerLM(loop.model_config(cfg), 0))
+    params = jax.tree.map(lambda x: np.asarray(jax.device_get(x)), state["params"])
+    cache = build_token_cache(loop.corpus_spec(cfg.data), cfg.data.cache_dir, tokenizer="byte", vocab_size=257)
+    b = next(iter(eval_batches(cache.tokens("validation"), 32, 4, bos_id=cache.eot_id)))
+    ref = compute_diagnostics(nnx.merge(graphdef, params), b["inputs"][(b["targets"] != -100).all(axis=1)])
+    for k, v in ref["model_mean"].items():
+        assert rep["model_mean"][k] == pytest.approx(v, rel=1e-5, abs=1e-6), k
