@@ -477,8 +477,16 @@ def lm_rows(results: dict[str, dict[str, Any]], target_ppl: float | None, target
     for row in rows:
         base = [b for b in rows if b["group"] == row["group"] and b["variant"] == "standard"
                 and b["steps"] == row["steps"]]
+        row["paired_rel_pct_mean"] = row["paired_rel_pct_std"] = float("nan")
         if base:
             row["rel_to_standard_pct"] = 100.0 * (row["val_ppl_mean"] / base[0]["val_ppl_mean"] - 1.0)
+            # Paired by seed: seed s of both runs saw the same data in the same order and shared initial weights,
+            # so the per-seed ratio removes most of the seed-to-seed spread that the plain std columns carry.
+            mine = [float(x) for x in row["val_ppl_seeds"].split()]
+            ref = [float(x) for x in base[0]["val_ppl_seeds"].split()]
+            if len(mine) == len(ref) and lm[row["run"]]["seeds"] == lm[base[0]["run"]]["seeds"]:
+                rel = [100.0 * (a / b - 1.0) for a, b in zip(mine, ref)]
+                row["paired_rel_pct_mean"], row["paired_rel_pct_std"] = _ms(rel)
     return rows
 
 
@@ -542,6 +550,7 @@ def markdown_table(rows: list[dict[str, Any]], columns: list[tuple[str, str]]) -
 
 LM_COLUMNS = [("run", "run"), ("variant", "variant"), ("steps", "steps"), ("seeds", "seeds"), ("params", "params"),
               ("val_ppl_mean", "val ppl (mean)"), ("val_ppl_std", "± std"), ("rel_to_standard_pct", "vs standard %"),
+              ("paired_rel_pct_mean", "paired Δ% vs std. (mean"), ("paired_rel_pct_std", "std over seeds)"),
               ("target_ppl", "target ppl"), ("tokens_to_target_mean", "tokens to target (mean)"),
               ("seeds_reaching_target", "seeds reaching"), ("train_seconds", "wall s (all seeds)"),
               ("tokens_per_s_all_seeds", "tok/s (all seeds)")]
