@@ -272,3 +272,28 @@ def test_global_batch_and_process_slice_single_process():
     np.testing.assert_array_equal(np.asarray(out), local["inputs"])
     with pytest.raises(ValueError, match="not divisible"):
         shd.process_batch_slice(mesh, 6)
+
+
+def test_fsdp_gather_keeps_loss_and_grads():
+    """Weights all-gathered over fsdp before use (sharding.fsdp_gather): same loss and gradients as one device, and
+    the gradients still come back in the FSDP-sharded layout."""
+    model, graphdef, params, batch = setup("coupled_euler")
+    ref_loss, ref_grads = reference("coupled_euler")
+    mesh = mesh_of((1, 4, 2))
+    p_sh = shd.named_shardings(shd.param_specs(model, mesh), mesh)
+    gather, loss_fn = shd.fsdp_gather(model, mesh), steps.make_loss_fn(graphdef)
+    fn = jax.value_and_grad(lambda p, b: loss_fn(gather(p), b)[0])
+    compiled = jax.jit(fn, in_shardings=(p_sh, shd.batch_sharding(mesh)),
+                       out_shardings=(shd.replicated(mesh), p_sh)).lower(params, batch).compile(FAST_COMPILE)
+    loss, grads = compiled(jax.device_put(params, p_sh), shd.global_batch(batch, mesh))
+    np.testing.assert_allclose(float(loss), ref_loss, rtol=RTOL)
+    jax.tree.map(lambda g, r: np.testing.assert_allclose(np.asarray(g), r, rtol=RTOL, atol=ATOL), grads, ref_grads)
+    assert grads["blocks"][0]["attn"]["wq"].sharding.spec == P("fsdp", "tensor", None)
+    assert shd.collective_counts(compiled.as_text())["all-gather"] > 0  # the weights really are gathered
+
+
+def test_compute_spec_drops_only_fsdp():
+    assert shd.compute_spec(P("fsdp", "tensor", None)) == P(None, "tensor", None)
+    assert shd.compute_spec(P(("data", "fsdp"), None)) == P("data", None)
+    assert shd.compute_spec(P("tensor", "fsdp")) == P("tensor", None)
+    assert shd.compute_spec(P()) == P()
