@@ -81,12 +81,18 @@ def main(argv: list[str] | None = None) -> int:
                   flush=True)
             summaries[variant] = loop.train(build_config(variant, args.steps, args.cache_dir),
                                             os.path.join(workdir, variant))
+            if summaries[variant]["status"] != "completed":
+                return
 
     loop.install_sigterm_handler()
     code = cli.run_guarded(run_all)
     if code:
         return code
 
+    unfinished = [v for v, s in summaries.items() if s["status"] != "completed"]
+    if unfinished:  # e.g. SIGTERM: the runs are checkpointed; rerunning the same command resumes them
+        print(f"stopped before the end ({', '.join(unfinished)}); rerun the same command to resume", flush=True)
+        return 0
     rows = [("variant", "params", "steps", "tokens", "train loss", "val loss", "val ppl", "val tokens", "tok/s")]
     for v, s in summaries.items():
         tps = f"{s['tokens_per_second']:,.0f}" if s["tokens_per_second"] else "-"

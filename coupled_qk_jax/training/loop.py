@@ -36,7 +36,7 @@ from coupled_qk_jax.training import optimizer as opt_lib
 from coupled_qk_jax.training.checkpoint import Checkpointer, abstract_target
 from coupled_qk_jax.training.evaluate import evaluate_tokens, make_sharded_eval_step
 from coupled_qk_jax.training.steps import init_train_state, make_train_step, split_model
-from coupled_qk_jax.training.writers import MetricsWriter, write_json_atomic
+from coupled_qk_jax.training.writers import MetricsWriter, read_metrics, write_json_atomic
 
 # Set by the SIGTERM handler; the loop checks it at every step boundary, saves and returns.
 _STOP_REQUESTED = threading.Event()
@@ -263,9 +263,10 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True
     schedule = opt_lib.learning_rate_schedule(cfg.train)
     val_tokens = s.cache.tokens("validation")
 
-    def validate_now() -> dict[str, Any]:
+    def validate_now(whole: bool = False) -> dict[str, Any]:
+        """Periodic evaluations may use the first train.eval_batches batches; the final one scores every token."""
         return evaluate_tokens(eval_step, state["params"], val_tokens, int(cfg.data.seq_len), eval_batch_size(cfg),
-                               s.mesh, bos_id=s.cache.eot_id, max_batches=int(cfg.train.eval_batches))
+                               s.mesh, bos_id=s.cache.eot_id, max_batches=0 if whole else int(cfg.train.eval_batches))
 
     def save(at: int) -> None:
         nonlocal last_saved
@@ -277,7 +278,9 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True
     bar = tqdm(total=stop_at, initial=step, disable=not (progress and main), dynamic_ncols=True, unit="step")
     log_every, eval_every, ckpt_every = int(cfg.train.log_every), int(cfg.train.eval_every), int(cfg.checkpoint.every)
     window_loss, window_n = 0.0, 0
-    train_loss = float("nan")
+    # A resumed run that has nothing left to train reports the last logged training loss.
+    logged = [r["train_loss"] for r in read_metrics(workdir) if "train_loss" in r]
+    train_loss = float(logged[-1]) if logged else float("nan")
     val: dict[str, Any] = {}
     status = "completed" if stop_at == steps else "stopped"
     # Throughput over this process's steps, from the end of the first step (which includes compilation).
@@ -328,7 +331,7 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True
         if not log_every or window_n:  # steps since the last log line (or logging off): still report a train loss
             train_loss = window_loss / window_n if window_n else train_loss
         if status != "preempted":
-            val = validate_now()
+            val = validate_now(whole=True)
             writer.write(step, {"val_loss": val["loss"], "val_ppl": val["ppl"], "val_tokens": val["tokens"]})
     finally:
         bar.close()
