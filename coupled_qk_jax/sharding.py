@@ -169,7 +169,7 @@ def fsdp_gather(model: nnx.Module, mesh: Mesh) -> Callable[[Any], Any]:
 
     Why: without it XLA's propagation sees batch-split activations meeting embed-split weights and often reshards
     the *activations* instead (all-to-alls, and [B, T, vocab]-sized all-reduces at the tied head). Measured on the
-    60m width (`python benchmarks/collectives.py`), it cuts a step's collective traffic 5-30x on fsdp meshes. Apply
+    60m width (`python benchmarks/collectives.py`), it cuts a step's collective traffic 8-22x on fsdp meshes. Apply
     it to the params inside the loss (before `nnx.merge`); the gradients come back to the sharded layout through the
     step's out shardings (a reduce-scatter). A no-op when mesh.fsdp == 1.
     """
