@@ -117,3 +117,29 @@ def test_cli_missing_or_empty_corpus(tmp_path, bad):
     assert out.returncode == 2 and "Traceback" not in out.stderr
     last = out.stderr.strip().splitlines()[-1]
     assert last.startswith("error: ") and str(corpus) in last
+
+
+def test_sigkill_mid_run_resumes_from_last_completed_checkpoint(tmp_path):
+    """SIGKILL while checkpoints are being written every step (async): the rerun resumes from the newest
+    *completed* checkpoint (a half-written one is invisible) and finishes."""
+    workdir = tmp_path / "run"
+    args = ["train.py", "--config=configs/lm.py:standard,tiny", f"--workdir={workdir}"]
+    proc = subprocess.Popen([sys.executable, *args, *_flags(tmp_path, steps=100000, **{"checkpoint.every": 1})],
+                            cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        metrics = workdir / "metrics.jsonl"
+        deadline = time.time() + 120
+        while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 4):
+            time.sleep(0.05)
+        proc.kill()
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    done = sorted(int(d) for d in os.listdir(workdir / "checkpoints") if d.isdigit())
+    assert done, "no completed checkpoint before the kill"
+    out = _run([*args, *_flags(tmp_path, steps=done[-1] + 2)])
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "resuming" in out.stdout
+    summary = json.loads((workdir / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["step"] == done[-1] + 2
