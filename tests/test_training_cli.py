@@ -62,7 +62,9 @@ def test_cli_train_then_eval_end_to_end(tmp_path):
     assert SUMMARY_KEYS <= summary.keys() and summary["test_tokens"] > 0
     assert abs(summary["test_ppl"] - 2.718281828459045 ** summary["test_loss"]) < 1e-6 * summary["test_ppl"]
     elapsed = time.perf_counter() - t0
-    assert elapsed < 90, f"train + eval took {elapsed:.0f} s"  # ~20 s on an idle 2-core machine
+    # Sized to take well under a minute on an idle 2-core machine (two interpreter starts, two compiles); the bound
+    # is loose because shared CI machines can be several times slower, and a timing flake helps nobody.
+    assert elapsed < 300, f"train + eval took {elapsed:.0f} s"
 
 
 def test_cli_bad_input_is_one_line(tmp_path):
