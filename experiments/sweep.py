@@ -668,16 +668,19 @@ def report(results: dict[str, dict[str, Any]], out: Path, command: str, target_p
                              title=f"{name}, seed {r['seeds'][0]}")
     md = [f"# {title or 'Sweep results'}", "", "Produced by:", "", "```bash", command, "```", ""]
     if lmr:
-        first = next(iter(r for r in results.values() if r["run"]["task"] == "lm"))
-        md += [f"Validation perplexity over the whole validation split ({first['eval_tokens']:,} tokens of "
-               f"`{first['corpus_str']}`), mean ± sample std over seeds; 'tokens to target' is per seed, "
+        md += ["Validation perplexity over the whole validation split (size and corpus under each table), mean ± "
+               "sample std over seeds; 'paired Δ%' is the per-seed change against standard attention trained with the "
+               "same seed (same data order, same shared initial weights); 'tokens to target' is per seed, "
                "interpolated between evaluations; wall-clock excludes compilation and evaluation and is shared by all "
                "seeds of a run (they train as one program on a CPU shared with other jobs, so it is noisy).", ""]
         groups = sorted({r["group"] for r in lmr}, key=[r["group"] for r in lmr].index)
         for g in groups:
             if len(groups) > 1:
                 md += [f"## {g}", ""]
-            md += [markdown_table([r for r in lmr if r["group"] == g], LM_COLUMNS), ""]
+            g_rows = [r for r in lmr if r["group"] == g]
+            corpora = sorted({(r["corpus"], r["eval_tokens"]) for r in g_rows})
+            md += [markdown_table(g_rows, LM_COLUMNS), "",
+                   "Validation: " + "; ".join(f"{n:,} tokens of `{c}`" for c, n in corpora) + ".", ""]
         if any(not math.isnan(r["diag_effective_rank"]) for r in lmr):
             md += ["Attention diagnostics after training (`coupled_qk_jax.diagnostics_report`; model means over layers "
                    f"and heads on the first {DIAG_WINDOWS} validation windows, averaged over seeds):", "",
