@@ -1,4 +1,4 @@
-"""Collective traffic of one training step (loss + gradients) at a real width, read from compiled HLO on fake CPU devices.
+"""Collective traffic of one training step (loss + gradients) at a real width, from compiled HLO on fake CPU devices.
 
     python benchmarks/collectives.py [--scale 60m] [--layers 2] [--batch 16] [--variants standard,coupled_euler]
 

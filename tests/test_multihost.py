@@ -165,7 +165,8 @@ def _train_cmd(workdir: pathlib.Path, corpus: pathlib.Path, cache: pathlib.Path)
             "--config.model.vocab_size=257", "--config.model.d_model=32", "--config.model.n_layers=2",
             "--config.model.n_heads=4", "--config.model.d_ff=64", "--config.model.max_len=32",
             "--config.model.coupling_hidden=6", f"--config.data.corpus=text_dir:{corpus}",
-            "--config.data.tokenizer=byte", "--config.data.seq_len=32", "--config.data.split_fractions=0.6,0.2,0.2", f"--config.data.cache_dir={cache}",
+            "--config.data.tokenizer=byte", "--config.data.seq_len=32", "--config.data.split_fractions=0.6,0.2,0.2",
+            f"--config.data.cache_dir={cache}",
             "--config.train.steps=4", "--config.train.batch_size=8", "--config.train.warmup_steps=2",
             "--config.train.log_every=1", "--config.train.eval_every=0", "--config.train.eval_batches=1",
             "--config.checkpoint.every=2", "--config.mesh.data=1", "--config.mesh.fsdp=-1", "--config.mesh.tensor=2"]

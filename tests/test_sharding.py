@@ -16,7 +16,6 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
-from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -135,8 +134,8 @@ def forward_hlo(variant: str, shape: tuple[int, int, int]) -> str:
 
 def test_collective_parser_on_known_programs():
     """The parser against programs whose collectives are known: a psum over a sharded axis needs an all-reduce; an
-    elementwise op on a sharded array needs none; a resharding from rows to columns needs data movement (one all-to-all, whose long tuple shape carries the
-    /*index=5*/ comments that the parser must skip)."""
+    elementwise op on a sharded array needs none; a resharding from rows to columns needs data movement (one
+    all-to-all, whose long tuple shape carries the /*index=5*/ comments that the parser must skip)."""
     mesh = mesh_of((1, 1, 8))
     x_sh = NamedSharding(mesh, P("tensor", None))
     x = jnp.ones((16, 8))
