@@ -173,6 +173,15 @@ def setup(cfg: ml_collections.ConfigDict, workdir: str) -> Setup:
     ck = cfg.checkpoint
     checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), int(ck.keep_last), int(ck.keep_every),
                                 bool(ck.async_save))
+    try:
+        return _setup_rest(cfg, mcfg, mesh, checkpointer, workdir)
+    except BaseException:
+        checkpointer.close()  # else orbax's background threads die noisily at interpreter exit
+        raise
+
+
+def _setup_rest(cfg: ml_collections.ConfigDict, mcfg: ModelConfig, mesh: jax.sharding.Mesh,
+                checkpointer: Checkpointer, workdir: str) -> Setup:
     latest = checkpointer.latest_step()
     if latest is not None:  # before the (possibly slow) tokenisation: refuse early
         check_compatible(checkpointer.saved_config(latest), cfg, workdir, latest)
@@ -242,19 +251,22 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True
     tokens_per_step = int(cfg.train.batch_size) * int(cfg.data.seq_len)
     config_json = cfg.to_dict()
 
-    # Data: this host's slice of one seeded stream of random windows.
-    per_host = int(cfg.train.batch_size) // jax.process_count()
-    data_iter = make_train_iterator(s.cache.tokens("train"), int(cfg.data.seq_len), per_host, int(cfg.train.seed),
-                                    jax.process_index(), jax.process_count(),
-                                    num_threads=int(cfg.data.get("num_threads", 2)))
-
-    # State: restored (arrays land directly in their shardings, the iterator at its saved position) or fresh.
-    if s.latest is not None:
-        state = s.checkpointer.restore(s.latest, abstract_target(s.abstract_state, s.shardings), data_iter)
-        if main:
-            print(f"resuming from {s.checkpointer.directory} at step {s.latest}", flush=True)
-    else:
-        state = s.init_state()
+    try:
+        # Data: this host's slice of one seeded stream of random windows.
+        per_host = int(cfg.train.batch_size) // jax.process_count()
+        data_iter = make_train_iterator(s.cache.tokens("train"), int(cfg.data.seq_len), per_host,
+                                        int(cfg.train.seed), jax.process_index(), jax.process_count(),
+                                        num_threads=int(cfg.data.get("num_threads", 2)))
+        # State: restored (arrays land directly in their shardings, the iterator at its saved position) or fresh.
+        if s.latest is not None:
+            state = s.checkpointer.restore(s.latest, abstract_target(s.abstract_state, s.shardings), data_iter)
+            if main:
+                print(f"resuming from {s.checkpointer.directory} at step {s.latest}", flush=True)
+        else:
+            state = s.init_state()
+    except BaseException:
+        s.checkpointer.close()
+        raise
     step = int(state["step"])
     last_saved = s.latest
     writer = MetricsWriter(workdir, resume_step=step)
