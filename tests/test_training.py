@@ -145,6 +145,11 @@ def test_bad_input_errors(tmp_path):
     with pytest.raises(ValueError, match="vocab mismatch"):
         loop.train(cfg, str(tmp_path / "d"), progress=False)
 
+    cfg = tiny_config(tmp_path)
+    cfg.data.split_fractions = "1,0,0"  # nothing held out: refused before training, not at the final evaluation
+    with pytest.raises(ValueError, match="validation split .* is empty"):
+        loop.train(cfg, str(tmp_path / "f"), progress=False)
+
     cfg = tiny_config(tmp_path, batch_size=4)  # 4 rows cannot split over 8 data-parallel devices
     with pytest.raises(ValueError, match="not divisible by the 8 data-parallel devices"):
         loop.train(cfg, str(tmp_path / "e"), progress=False)

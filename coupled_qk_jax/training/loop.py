@@ -252,6 +252,9 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True
     config_json = cfg.to_dict()
 
     try:
+        if s.cache.tokens("validation").shape[0] < 2:  # found now, not after hours of training
+            raise ValueError(f"the validation split of {cfg.data.corpus} is empty; a small directory needs larger "
+                             f"held-out shares, e.g. --config.data.split_fractions=0.8,0.1,0.1")
         # Data: this host's slice of one seeded stream of random windows.
         per_host = int(cfg.train.batch_size) // jax.process_count()
         data_iter = make_train_iterator(s.cache.tokens("train"), int(cfg.data.seq_len), per_host,

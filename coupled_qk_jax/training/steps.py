@@ -78,7 +78,7 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, gr
         grads = jax.tree.map(lambda g: g / denom, grads)
         updates, opt_state = tx.update(grads, state["opt_state"], params)
         new_params = optax.apply_updates(params, updates)
-        metrics = {"loss": nll_sum / denom, "tokens": count, "grad_norm": optax.global_norm(grads)}
+        metrics = {"loss": nll_sum / denom, "tokens": count, "grad_norm": optax.tree.norm(grads)}
         return {"params": new_params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
 
     return train_step
