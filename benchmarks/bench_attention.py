@@ -226,7 +226,10 @@ class SequentialSeeds:
 
 
 # ------------------------------------------------------------------------------------------------------------ main
-def bench_scale(scale: str, specs: list[str], args: argparse.Namespace, roof: Roofline | None) -> list[dict]:
+def bench_scale(scale: str, specs: list[str], args: argparse.Namespace, roof: Roofline | None,
+                on_round: Callable[[list[dict]], None] | None = None) -> list[dict]:
+    """Compile every variant of one scale, then time them in interleaved rounds; returns one record per variant.
+    `on_round` receives the records computed so far after every round (so a long run leaves partial results)."""
     cases: dict[str, Any] = {}
     for spec in specs:
         print(f"[{scale}] compiling {spec} (load {load():.1f})", flush=True)
@@ -248,7 +251,13 @@ def bench_scale(scale: str, specs: list[str], args: argparse.Namespace, roof: Ro
             roof.sample()
         print(f"[{scale}] round {r + 1}/{args.rounds} load {load():.1f} "
               + " ".join(f"{n}={1e3 * statistics.median(c.times):.0f}ms" for n, c in cases.items()), flush=True)
+        if on_round is not None:
+            on_round(make_records(scale, cases, args, roof))
+    return make_records(scale, cases, args, roof)
 
+
+def make_records(scale: str, cases: dict[str, Any], args: argparse.Namespace, roof: Roofline | None) -> list[dict]:
+    order = list(cases)
     backend = jax.default_backend()
     peak_flops = roof.flops if roof is not None else args.peak_tflops * 1e12
     std_name = next((n for n in order if parse_variant_spec(n)[0] == "standard" and "@" not in n), None)
@@ -340,20 +349,23 @@ def main() -> None:
         roof.sample(3)
         print(f"roofline {roof.flops / 1e9:.1f} GFLOP/s (load {load():.1f})", flush=True)
 
+    command = "python benchmarks/bench_attention.py " + " ".join(sys.argv[1:])
+
+    def write(records: list[dict]) -> str:
+        for r in records:
+            r["command"] = command
+        with open(args.out, "w") as fh:
+            json.dump(records, fh, indent=1)
+        md = markdown(records, command)
+        with open(args.md or os.path.splitext(args.out)[0] + ".md", "w") as fh:
+            fh.write(md)
+        return md
+
     records: list[dict] = []
     specs = [s for s in args.variants.split(",") if s]
     for scale in args.scales.split(","):
-        records += bench_scale(scale, specs, args, roof)
-
-    command = "python benchmarks/bench_attention.py " + " ".join(sys.argv[1:])
-    for r in records:
-        r["command"] = command
-    with open(args.out, "w") as fh:
-        json.dump(records, fh, indent=1)
-    md = markdown(records, command)
-    with open(args.md or os.path.splitext(args.out)[0] + ".md", "w") as fh:
-        fh.write(md)
-    print(md)
+        records += bench_scale(scale, specs, args, roof, on_round=lambda partial: write(records + partial))
+    print(write(records))
 
 
 if __name__ == "__main__":

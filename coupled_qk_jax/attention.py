@@ -58,13 +58,16 @@ def rms_norm(x: Array, scale: Array, eps: float) -> Array:
     return (normed * scale).astype(x.dtype)
 
 
-def apply_rope(x: Array, base: float) -> Array:
-    """Rotary position embedding (rotate-half form) on [B, T, H, d] with positions 0..T-1."""
-    t, d = x.shape[1], x.shape[-1]
+def apply_rope(x: Array, base: float, seq_axis: int = 1) -> Array:
+    """Rotary position embedding (rotate-half form) on [B, T, H, d] (or [B, H, T, d] with seq_axis=2), positions
+    0..T-1."""
+    t, d = x.shape[seq_axis], x.shape[-1]
     inv_freq = 1.0 / (base ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
     angles = jnp.arange(t, dtype=jnp.float32)[:, None] * inv_freq[None, :]  # [T, d/2]
-    cos = jnp.cos(angles)[None, :, None, :]
-    sin = jnp.sin(angles)[None, :, None, :]
+    shape = [1] * x.ndim
+    shape[seq_axis], shape[-1] = t, d // 2
+    cos = jnp.cos(angles).reshape(shape)
+    sin = jnp.sin(angles).reshape(shape)
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
     return out.astype(x.dtype)
@@ -96,32 +99,36 @@ def auto_chunks(t: int) -> int:
     return max(1, min(8, t // 64))
 
 
-def _stable_softmax(s: Array) -> Array:
-    """Softmax over the last axis. The max is a constant shift (stop_gradient), so autodiff differentiates only
-    exp / sum: the same gradient as jax.nn.softmax with fewer ops in the backward pass."""
+def _exp_and_norm(s: Array) -> tuple[Array, Array]:
+    """Unnormalised softmax numerators exp(s - max) and the reciprocal of their row sums (fp32).
+
+    The max is a constant shift (stop_gradient), so autodiff differentiates only exp and the sum: the same gradient
+    as jax.nn.softmax with fewer ops in the backward pass. One reciprocal per row replaces a divide per element."""
     m = jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
     e = jnp.exp(s - m)
-    return e / jnp.sum(e, axis=-1, keepdims=True)
+    return e, 1.0 / jnp.sum(e, axis=-1, keepdims=True)
 
 
 def chunked_causal_attention(q: Array, k: Array, v: Array, scale: float, n_chunks: int = 0,
-                             mix: Callable[[Array], Array] | None = None) -> Array:
+                             mix: Callable[[Array], Array] | None = None, heads_major: bool = False) -> Array:
     """Causal softmax attention computed in query blocks, each against only the keys it can see.
 
-    q, k: [B, T, H, d]; v: [B, T, Hv, dv]; returns [B, T, Hv, dv]. `mix` maps fp32 probabilities [B, H, c, S] to
-    [B, Hv, c, S] before the value product (differential attention's A1 − λ·A2); without it Hv must equal H.
+    q, k: [B, T, H, d]; v: [B, T, Hv, dv]; returns [B, T, Hv, dv] (all [B, H, T, d] with heads_major=True, which
+    saves the layout transposes). `mix` maps fp32 probabilities [B, H, c, S] to [B, Hv, c, S] before the value
+    product (differential attention's A1 − λ·A2); without it Hv must equal H.
 
     Why not jax.nn.dot_product_attention(implementation="xla")? On CPU its fwd+bwd was ~2× slower than this
     (benchmarks/NOTES.md): it scores the full T×T square, and this path also skips the masked upper-triangle blocks.
     Peak [*, T, T]-sized memory is the same as one full score tensor (the blocks partition it).
     """
-    b, t, h, d = q.shape
+    t = q.shape[2] if heads_major else q.shape[1]
     n = n_chunks or auto_chunks(t)
     n = max(1, min(n, t))
     # Heads-major layout: every matmul below is then a plain batch over (B, H) with contiguous [T, d] operands.
-    qt = jnp.swapaxes(q * jnp.asarray(scale, q.dtype), 1, 2)
-    kt = jnp.swapaxes(k, 1, 2)
-    vt = jnp.swapaxes(v, 1, 2)
+    qt = q * jnp.asarray(scale, q.dtype)
+    kt, vt = k, v
+    if not heads_major:
+        qt, kt, vt = (jnp.swapaxes(a, 1, 2) for a in (qt, kt, vt))
     bounds = [t * i // n for i in range(n + 1)]
     outs = []
     for lo, hi in zip(bounds[:-1], bounds[1:]):
@@ -129,12 +136,17 @@ def chunked_causal_attention(q: Array, k: Array, v: Array, scale: float, n_chunk
             continue
         s = jnp.einsum("bhqd,bhkd->bhqk", qt[:, :, lo:hi], kt[:, :, :hi], preferred_element_type=jnp.float32)
         visible = (lo + jnp.arange(hi - lo))[:, None] >= jnp.arange(hi)[None, :]
-        p = _stable_softmax(jnp.where(visible, s, jnp.finfo(jnp.float32).min))
-        if mix is not None:
-            p = mix(p)
-        outs.append(jnp.einsum("bhqk,bhkd->bhqd", p.astype(v.dtype), vt[:, :, :hi]))
+        e, inv_sum = _exp_and_norm(jnp.where(visible, s, jnp.finfo(jnp.float32).min))
+        if mix is None:
+            # Deferred normalisation: scale the [c, dv] output rows instead of the [c, S] probabilities (S/dv times
+            # fewer multiplies, forward and backward); the same softmax(s)·v up to rounding.
+            o = jnp.einsum("bhqk,bhkd->bhqd", e.astype(v.dtype), vt[:, :, :hi], preferred_element_type=jnp.float32)
+            outs.append((o * inv_sum).astype(v.dtype))
+        else:
+            p = mix(e * inv_sum)
+            outs.append(jnp.einsum("bhqk,bhkd->bhqd", p.astype(v.dtype), vt[:, :, :hi]))
     o = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=2)
-    return jnp.swapaxes(o, 1, 2)
+    return o if heads_major else jnp.swapaxes(o, 1, 2)
 
 
 def causal_softmax(q: Array, k: Array, scale: float) -> Array:
@@ -212,7 +224,9 @@ class CausalSelfAttention(nnx.Module):
             self.subln_scale = const_param((2 * dh,), 1.0, ("head_dim",))
 
     # -- the QK transform -------------------------------------------------------------------------------------------
-    def transform_qk(self, q: Array, k: Array, shared_coupling: CouplingMLP | None = None) -> tuple[Array, Array]:
+    def transform_qk(self, q: Array, k: Array, shared_coupling: CouplingMLP | None = None,
+                     head_axis: int = 2) -> tuple[Array, Array]:
+        """(q, k) -> the transformed pair; [B, T, H, d] (head_axis=2) or [B, H, T, d] (head_axis=1)."""
         cfg = self.cfg
         transform = cfg.qk_transform
         if transform in DYNAMICS_METHOD:
@@ -220,9 +234,14 @@ class CausalSelfAttention(nnx.Module):
             if mlp is None:
                 raise ValueError("model.coupling_scope='shared' needs the model's shared coupling MLP")
             dt = self.dt[...].astype(q.dtype)
-            evolve = dynamics.evolve_heads_batched if cfg.coupling_lowering == "batched" else dynamics.evolve_heads
-            return evolve(q, k, dt, mlp.params(q.dtype), cfg.n_steps, DYNAMICS_METHOD[transform],
-                          per_head_params=cfg.per_head_params, unroll=cfg.scan_unroll)
+            args = (dt, mlp.params(q.dtype), cfg.n_steps, DYNAMICS_METHOD[transform])
+            if cfg.coupling_lowering == "batched":
+                return dynamics.evolve_heads_batched(q, k, *args, unroll=cfg.scan_unroll, head_axis=head_axis,
+                                                     per_head_params=cfg.per_head_params)
+            if head_axis != 2:  # evolve_heads' public layout is [B, T, H, d]
+                q, k = jnp.swapaxes(q, 1, 2), jnp.swapaxes(k, 1, 2)
+            q, k = dynamics.evolve_heads(q, k, *args, per_head_params=cfg.per_head_params, unroll=cfg.scan_unroll)
+            return (q, k) if head_axis == 2 else (jnp.swapaxes(q, 1, 2), jnp.swapaxes(k, 1, 2))
         if transform == "affine":
             return invertible.affine_forward(self.affine.params(q.dtype), q, k)
         return q, k
@@ -234,16 +253,23 @@ class CausalSelfAttention(nnx.Module):
         return jnp.exp(dot1) - jnp.exp(dot2) + self.lambda_init
 
     # -- scoring ----------------------------------------------------------------------------------------------------
-    def _softmax_scores(self, q, k, v, impl: str) -> Array:
+    def _softmax_scores(self, q, k, v, impl: str, heads_major: bool = False) -> Array:
         if impl == "explicit":
-            return chunked_causal_attention(q, k, v, q.shape[-1] ** -0.5, self.cfg.attention_chunks)
+            return chunked_causal_attention(q, k, v, q.shape[-1] ** -0.5, self.cfg.attention_chunks,
+                                            heads_major=heads_major)
+        if heads_major:
+            q, k, v = (jnp.swapaxes(a, 1, 2) for a in (q, k, v))
+            return jnp.swapaxes(jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl), 1, 2)
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
 
-    def _differential_scores(self, q, k, v, impl: str, form: str | None = None) -> Array:
+    def _differential_scores(self, q, k, v, impl: str, form: str | None = None, heads_major: bool = False) -> Array:
         """Differential attention on [B, T, H, dh] half-head views; returns [B, T, H, dh] (before W_O).
 
         form: "virtual_heads" (one fused dot_product_attention call; the default under cuDNN) or "explicit"
-        (einsum scores in causal query blocks; the default otherwise, where it does half the FLOPs)."""
+        (einsum scores in causal query blocks; the default otherwise, where it does half the FLOPs).
+        heads_major: inputs and output are [B, H, T, dh] (explicit form only)."""
+        if heads_major:
+            return self._differential_heads_major(q, k, v)
         b, t, h, dh = q.shape
         hd = h // 2
         lam = self.lambda_value()
@@ -271,6 +297,22 @@ class CausalSelfAttention(nnx.Module):
         o = rms_norm(o, self.subln_scale[...], eps=1e-5) * (1.0 - self.lambda_init)
         return o.reshape(b, t, h, dh)
 
+    def _differential_heads_major(self, q: Array, k: Array, v: Array) -> Array:
+        """The explicit differential form on [B, H, T, dh]: only v and the output change layout (each differential
+        head's value is its two half-heads' values side by side), never the [*, T, T] scores."""
+        b, h, t, dh = q.shape
+        hd = h // 2
+        lam = self.lambda_value()
+        v2 = v.reshape(b, hd, 2, t, dh).transpose(0, 1, 3, 2, 4).reshape(b, hd, t, 2 * dh)
+
+        def mix(probs: Array) -> Array:  # [B, H, c, S] -> [B, H/2, c, S]
+            probs = probs.reshape((b, hd, 2) + probs.shape[2:])
+            return probs[:, :, 0] - lam * probs[:, :, 1]
+
+        o = chunked_causal_attention(q, k, v2, dh ** -0.5, self.cfg.attention_chunks, mix, heads_major=True)
+        o = rms_norm(o, self.subln_scale[...], eps=1e-5) * (1.0 - self.lambda_init)
+        return o.reshape(b, hd, t, 2, dh).transpose(0, 1, 3, 2, 4).reshape(b, h, t, dh)
+
     def attention_matrix(self, q: Array, k: Array) -> Array:
         """The effective token-mixing matrix for diagnostics: softmax A [B, H, T, T], or A1 − λ·A2 [B, H/2, T, T]."""
         probs = causal_softmax(q, k, q.shape[-1] ** -0.5)
@@ -284,20 +326,26 @@ class CausalSelfAttention(nnx.Module):
     def __call__(self, x: Array, shared_coupling: CouplingMLP | None = None, collect: bool = False):
         """x: [B, T, d_model] in the compute dtype -> [B, T, d_model] (and a dict of intermediates if collect)."""
         cfg, dtype = self.cfg, x.dtype
-        q = jnp.einsum("btd,dhk->bthk", x, self.wq[...].astype(dtype))
-        k = jnp.einsum("btd,dhk->bthk", x, self.wk[...].astype(dtype))
-        v = jnp.einsum("btd,dhk->bthk", x, self.wv[...].astype(dtype))
+        impl = choose_implementation(cfg.attention_impl, dtype, cfg.head_dim)
+        # The explicit path works heads-major ([B, H, T, d]) from the projections on: the projections and W_O absorb
+        # the layout for free, while a [B, T, H, d] layout cost four transposes per layer and direction (NOTES.md).
+        # The collect path keeps the public [B, T, H, d] layout of the diagnostics.
+        hm = impl == "explicit" and not collect
+        proj = "btd,dhk->bhtk" if hm else "btd,dhk->bthk"
+        q = jnp.einsum(proj, x, self.wq[...].astype(dtype))
+        k = jnp.einsum(proj, x, self.wk[...].astype(dtype))
+        v = jnp.einsum(proj, x, self.wv[...].astype(dtype))
         q0, k0 = q, k
-        q, k = self.transform_qk(q, k, shared_coupling)
+        q, k = self.transform_qk(q, k, shared_coupling, head_axis=1 if hm else 2)
         q1, k1 = q, k
         if cfg.positions == "rope":
-            q, k = apply_rope(q, cfg.rope_base), apply_rope(k, cfg.rope_base)
-        impl = choose_implementation(cfg.attention_impl, dtype, cfg.head_dim)
+            seq_axis = 2 if hm else 1
+            q, k = apply_rope(q, cfg.rope_base, seq_axis), apply_rope(k, cfg.rope_base, seq_axis)
         if cfg.scoring == "differential":
-            o = self._differential_scores(q, k, v, impl)
+            o = self._differential_scores(q, k, v, impl, heads_major=hm)
         else:
-            o = self._softmax_scores(q, k, v, impl)
-        y = jnp.einsum("bthk,hkd->btd", o, self.wo[...].astype(dtype))
+            o = self._softmax_scores(q, k, v, impl, heads_major=hm)
+        y = jnp.einsum("bhtk,hkd->btd" if hm else "bthk,hkd->btd", o, self.wo[...].astype(dtype))
         if not collect:
             return y
         aux = {"q_before": q0, "k_before": k0, "q_after": q1, "k_after": k1, "attn": self.attention_matrix(q, k)}

@@ -61,9 +61,9 @@ def leapfrog_step(q: Array, k: Array, dt: Array | float, f: Force) -> tuple[Arra
 def uncoupled_step(q: Array, k: Array, dt: Array | float, f: Force) -> tuple[Array, Array]:
     """MLP-only ablation: the same f and the same capacity, no cross terms: (q + dt*f(q), k + dt*f(k)).
 
-    f(q) and f(k) are one call on the stacked pair: one matmul with twice the rows instead of two small ones."""
-    fqk = f(jnp.stack([q, k]))
-    return q + dt * fqk[0], k + dt * fqk[1]
+    f(q) and f(k) stay two calls: one call on jnp.stack([q, k]) was measured 2-5x slower on CPU (the stack copies q
+    and k, and its transpose copies the gradients back out; benchmarks/NOTES.md)."""
+    return q + dt * f(q), k + dt * f(k)
 
 
 STEP_FUNCTIONS: dict[str, StepFn] = {
@@ -172,21 +172,31 @@ def evolve_heads_batched(
     method: str,
     unroll: int | bool = 1,
     per_head_params: bool = False,
+    head_axis: int = 2,
 ) -> tuple[Array, Array]:
     """Same maths as `evolve_heads`, written as one batched matmul over all heads instead of a vmap over heads.
 
     Δt broadcasts over the head axis ([H] -> [H, 1]), so f runs once on the whole [B, T, H, d_head] tensor (with
-    per-head params: one einsum batched over H). This is the attention layer's default lowering
-    (`model.coupling_lowering`); benchmarks/NOTES.md compares the two.
+    per-head params: one einsum batched over H). head_axis=1 takes the heads-major layout [B, H, T, d_head] that the
+    attention layer's explicit path uses. This is the layer's default lowering (`model.coupling_lowering`);
+    benchmarks/NOTES.md compares the two.
     """
     _check(method, n_steps)
     if q.ndim != 4 or q.shape != k.shape:
-        raise ValueError(f"q and k must both be [B, T, H, d_head]; got {q.shape} and {k.shape}")
-    if dt.shape != (q.shape[2],):
-        raise ValueError(f"dt must have shape [H]=({q.shape[2]},), got {dt.shape}")
+        raise ValueError(f"q and k must both be [B, T, H, d_head] (or [B, H, T, d_head]); got {q.shape}, {k.shape}")
+    if head_axis not in (1, 2):
+        raise ValueError(f"head_axis must be 1 or 2, got {head_axis}")
+    n_heads = q.shape[head_axis]
+    if dt.shape != (n_heads,):
+        raise ValueError(f"dt must have shape [H]=({n_heads},), got {dt.shape}")
+    if per_head_params and head_axis == 1:  # coupling_mlp_heads wants heads next to the feature axis
+        q, k = evolve_heads_batched(jnp.swapaxes(q, 1, 2), jnp.swapaxes(k, 1, 2), dt, params, n_steps, method,
+                                    unroll, per_head_params=True)
+        return jnp.swapaxes(q, 1, 2), jnp.swapaxes(k, 1, 2)
     mlp = coupling_mlp_heads if per_head_params else coupling_mlp
     f = functools.partial(mlp, params)
-    return integrate(q, k, dt[:, None].astype(q.dtype), f, n_steps, method, unroll)
+    dt_b = dt.reshape((n_heads,) + (1,) * (q.ndim - 1 - head_axis)).astype(q.dtype)
+    return integrate(q, k, dt_b, f, n_steps, method, unroll)
 
 
 def init_coupling_params(key: Array, d: int, hidden: int, dtype=jnp.float32, zero_output: bool = True) -> dict:
