@@ -421,7 +421,11 @@ def main(argv: list[str] | None = None) -> None:
             path = out / "runs" / f"{cell_name(variant, m)}.json"
             if path.is_file() and not args.force:
                 saved = json.loads(path.read_text())
-                if saved["steps"] == args.steps and saved["seeds"] == seeds and saved["scale"] == args.scale:
+                # reuse only a cell trained exactly as asked (a changed flag must retrain, not silently reuse)
+                same = (saved["steps"], saved["seeds"], saved["scale"], saved["qk_mult_coupling"],
+                        saved["tokenizer"], saved["corpus"]) == (args.steps, seeds, args.scale,
+                                                                 args.qk_mult_coupling, args.tokenizer, args.corpus)
+                if same:
                     _log(f"[{cell_name(variant, m)}] already done, skipping")
                     cells.append(saved)
                     continue
