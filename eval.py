@@ -28,7 +28,7 @@ def main(argv: list[str]) -> None:
     logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
     from coupled_qk_jax.training import cli
 
-    sys.exit(cli.run_guarded(_eval))
+    cli.exit_process(cli.run_guarded(_eval))
 
 
 def _eval() -> None:

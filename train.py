@@ -22,12 +22,16 @@ def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
+    # Join a multi-process run (TPU pod, GPU/CPU cluster) before anything touches a device; a no-op otherwise.
+    from coupled_qk_jax.distributed import initialize_distributed
+
+    initialize_distributed()
     # Imported after flag parsing so that `--help` and flag errors stay fast.
     from coupled_qk_jax.training import cli, loop
 
     loop.install_sigterm_handler()
     code = cli.run_guarded(lambda: _train(loop))
-    sys.exit(code)
+    cli.exit_process(code)
 
 
 def _train(loop) -> None:

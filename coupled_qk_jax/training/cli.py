@@ -6,6 +6,7 @@ with status 3 after keeping the last good checkpoint; SIGTERM exits 0 after savi
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Callable
 
@@ -28,3 +29,13 @@ def run_guarded(fn: Callable[[], object]) -> int:
         print(f"error: {msg}", file=sys.stderr, flush=True)
         return EXIT_BAD_INPUT
     return 0
+
+
+def exit_process(code: int) -> None:
+    """Exit with ``code``. After a bad-input error nothing was trained or is being saved, so skip interpreter
+    shutdown: orbax's idle background threads can otherwise print a traceback after the one-line error."""
+    if code == EXIT_BAD_INPUT:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)

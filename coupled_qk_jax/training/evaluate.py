@@ -25,11 +25,12 @@ from coupled_qk_jax.data.pipeline import eval_batches, num_eval_batches
 from coupled_qk_jax.training.steps import make_eval_step
 
 
-def make_sharded_eval_step(graphdef: nnx.GraphDef, params_shardings: Any, mesh: Mesh) -> Callable:
+def make_sharded_eval_step(graphdef: nnx.GraphDef, params_shardings: Any, mesh: Mesh,
+                           param_transform: Callable | None = None) -> Callable:
     """jit(eval_step) with explicit shardings: params as trained, batch split over (data, fsdp), scalars out."""
     batch_sh = shd.batch_sharding(mesh)
     replicated = NamedSharding(mesh, P())
-    return jax.jit(make_eval_step(graphdef), in_shardings=(params_shardings, {"inputs": batch_sh, "targets": batch_sh}),
+    return jax.jit(make_eval_step(graphdef, param_transform), in_shardings=(params_shardings, {"inputs": batch_sh, "targets": batch_sh}),
                    out_shardings=(replicated, replicated))
 
 

@@ -155,6 +155,7 @@ class Setup:
     n_params: int
     checkpointer: Checkpointer
     latest: int | None  # latest completed checkpoint step in the workdir
+    param_transform: Any = None  # params -> params at the start of each step (the FSDP weight all-gather)
 
     def init_state(self) -> dict:
         """A fresh train state, created by one jitted function directly in its shardings (one compile instead of
@@ -198,13 +199,16 @@ def _setup_rest(cfg: ml_collections.ConfigDict, mcfg: ModelConfig, mesh: jax.sha
     abstract_state = jax.eval_shape(lambda p: init_train_state(p, tx), abstract_params)
     shardings = shd.train_state_shardings(abstract_model, tx, abstract_state, mesh)
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(abstract_params))
-    return Setup(cfg, mcfg, mesh, cache, graphdef, abstract_state, tx, shardings, n_params, checkpointer, latest)
+    gather = shd.fsdp_gather(abstract_model, mesh)  # identity unless mesh.fsdp > 1
+    return Setup(cfg, mcfg, mesh, cache, graphdef, abstract_state, tx, shardings, n_params, checkpointer, latest,
+                 gather)
 
 
 def make_sharded_train_step(s: Setup):
     """jit(train_step) with explicit shardings; the state is donated (updated in place)."""
     cfg = s.cfg
-    step_fn = make_train_step(s.graphdef, s.tx, int(cfg.train.grad_accum), use_dropout=s.mcfg.dropout > 0)
+    step_fn = make_train_step(s.graphdef, s.tx, int(cfg.train.grad_accum), use_dropout=s.mcfg.dropout > 0,
+                              param_transform=s.param_transform)
     seed = int(cfg.train.seed)
 
     def train_step(state, batch):
@@ -256,9 +260,12 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True
             raise ValueError(f"the validation split of {cfg.data.corpus} is empty; a small directory needs larger "
                              f"held-out shares, e.g. --config.data.split_fractions=0.8,0.1,0.1")
         # Data: this host's slice of one seeded stream of random windows.
-        per_host = int(cfg.train.batch_size) // jax.process_count()
+        # Which rows of the global batch this host loads: usually (process_index, process_count), but processes
+        # that hold the same batch rows (a tensor axis across hosts) must load the same data.
+        slice_index, slice_count = shd.process_batch_slice(s.mesh, int(cfg.train.batch_size))
+        per_host = int(cfg.train.batch_size) // slice_count
         data_iter = make_train_iterator(s.cache.tokens("train"), int(cfg.data.seq_len), per_host,
-                                        int(cfg.train.seed), jax.process_index(), jax.process_count(),
+                                        int(cfg.train.seed), slice_index, slice_count,
                                         num_threads=int(cfg.data.get("num_threads", 2)))
         # State: restored (arrays land directly in their shardings, the iterator at its saved position) or fresh.
         if s.latest is not None:
@@ -274,7 +281,7 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True
     last_saved = s.latest
     writer = MetricsWriter(workdir, resume_step=step)
     train_step = make_sharded_train_step(s)
-    eval_step = make_sharded_eval_step(s.graphdef, s.shardings["params"], s.mesh)
+    eval_step = make_sharded_eval_step(s.graphdef, s.shardings["params"], s.mesh, s.param_transform)
     schedule = opt_lib.learning_rate_schedule(cfg.train)
     val_tokens = s.cache.tokens("validation")
 
@@ -384,7 +391,7 @@ def evaluate_checkpoint(cfg: ml_collections.ConfigDict, workdir: str, split: str
         state = s.checkpointer.restore(s.latest, abstract_target(s.abstract_state, s.shardings))
     finally:
         s.checkpointer.close()
-    eval_step = make_sharded_eval_step(s.graphdef, s.shardings["params"], s.mesh)
+    eval_step = make_sharded_eval_step(s.graphdef, s.shardings["params"], s.mesh, s.param_transform)
     result = evaluate_tokens(eval_step, state["params"], s.cache.tokens(split), int(cfg.data.seq_len),
                              eval_batch_size(cfg), s.mesh, bos_id=s.cache.eot_id)
     prefix = "val" if split == "validation" else "test"
