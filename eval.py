@@ -7,7 +7,6 @@ the result (loss, perplexity, token count) goes to DIR/summary.json and DIR/metr
 
 from __future__ import annotations
 
-import sys
 
 from absl import app, flags, logging
 from ml_collections import config_flags

@@ -6,7 +6,6 @@ and DIR/summary.json. See docs/training.md.
 
 from __future__ import annotations
 
-import sys
 
 from absl import app, flags, logging
 from ml_collections import config_flags
