@@ -654,7 +654,9 @@ def report(results: dict[str, dict[str, Any]], out: Path, command: str, target_p
     """Write results.csv, results.md, curves.csv and the plots for a finished sweep."""
     lmr = lm_rows(results, target_ppl, targets)
     mqr = mqar_rows(results)
-    write_csv(out / "results.csv", lmr + [dict(r, kind="mqar") for r in mqr] if not lmr else lmr)
+    # results.csv holds the LM rows; MQAR rows go there when the sweep is MQAR-only, else to mqar_results.csv
+    if lmr:
+        write_csv(out / "results.csv", lmr)
     if mqr:
         write_csv(out / ("mqar_results.csv" if lmr else "results.csv"), mqr)
     write_curves(out / "curves.csv", results)
