@@ -15,10 +15,12 @@ runner does this) to recompute `train.steps`.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import ml_collections
 
+from coupled_qk_jax.config import ModelConfig
 from coupled_qk_jax.data import mqar
 
 
@@ -45,31 +47,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
     cfg = ml_collections.ConfigDict()
     cfg.task = "mqar"
-    cfg.model = ml_collections.ConfigDict(dict(
-        variant=variant,
-        vocab_size=level.vocab_size,
-        max_len=level.seq_len,
-        d_model=d_model,
-        n_layers=2,
-        n_heads=n_heads,
-        d_ff=0,  # attention-only
-        n_steps=1,
-        dt_init=0.1,
-        coupling_hidden=3 * head_dim // 4,
-        coupling_scope="layer",
-        per_head_params=False,
-        scan_unroll=1,
-        affine_hidden=3 * head_dim // 4,
-        affine_pairs=1,
-        positions="learned",
-        rope_base=10000.0,
-        norm="rmsnorm",
-        dropout=0.0,
-        dtype="float32",
-        remat="none",
-        attention_impl="auto",
-        init_std=0.02,
-    ))
+    # Every ModelConfig field with the library's defaults (the same as configs/lm.py), then the MQAR shape.
+    model = dataclasses.asdict(ModelConfig(variant=variant))
+    model.update(vocab_size=level.vocab_size, max_len=level.seq_len, d_model=d_model, n_layers=2, n_heads=n_heads,
+                 d_ff=0,  # attention-only
+                 coupling_hidden=3 * head_dim // 4, affine_hidden=3 * head_dim // 4)
+    cfg.model = ml_collections.ConfigDict(model)
     cfg.mqar = ml_collections.ConfigDict(dict(
         level=level_name,
         epochs=16,
