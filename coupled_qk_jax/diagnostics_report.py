@@ -169,23 +169,16 @@ def report_from_checkpoint(cfg: Any, workdir: str, split: str = "validation", wi
     of ``split``; writes ``diagnostics.json`` and ``diagnostics.png`` to ``out_dir`` (default ``workdir``).
 
     This is what ``eval.py --diagnostics`` calls. The checkpoint is restored exactly as eval.py's evaluation
-    restores it (``training.loop.setup`` + ``Checkpointer.restore``), then gathered to the host: the diagnostics
+    restores it (``training.loop.restore_latest``), then gathered to the host: the diagnostics
     are small (a few windows) and run unsharded.
     """
     from flax import nnx  # noqa: PLC0415
 
     from coupled_qk_jax.data.pipeline import eval_batches  # noqa: PLC0415
     from coupled_qk_jax.training import loop  # noqa: PLC0415
-    from coupled_qk_jax.training.checkpoint import abstract_target  # noqa: PLC0415
 
     workdir = os.path.abspath(workdir)
-    s = loop.setup(cfg, workdir)
-    try:
-        if s.latest is None:
-            raise ValueError(f"no completed checkpoint in {workdir}: train first")
-        state = s.checkpointer.restore(s.latest, abstract_target(s.abstract_state, s.shardings))
-    finally:
-        s.checkpointer.close()
+    s, state = loop.restore_latest(cfg, workdir)
     params = jax.tree.map(lambda x: np.asarray(jax.device_get(x)), state["params"])
     model = nnx.merge(s.graphdef, params)
     seq_len = int(cfg.data.seq_len)

@@ -125,6 +125,19 @@ def _integrate_leapfrog_fused(q: Array, k: Array, dt: Array | float, f: Force, n
     return q, k
 
 
+def _check_heads(q: Array, k: Array, dt: Array, method: str, n_steps: int, head_axis: int = 2) -> int:
+    """Validate the per-head inputs shared by both lowerings; return the head count."""
+    _check(method, n_steps)
+    if head_axis not in (1, 2):
+        raise ValueError(f"head_axis must be 1 or 2, got {head_axis}")
+    if q.ndim != 4 or q.shape != k.shape:
+        raise ValueError(f"q and k must both be [B, T, H, d_head] (or [B, H, T, d_head]); got {q.shape}, {k.shape}")
+    n_heads = q.shape[head_axis]
+    if dt.shape != (n_heads,):
+        raise ValueError(f"dt must have shape [H]=({n_heads},), got {dt.shape}")
+    return n_heads
+
+
 def evolve_heads(
     q: Array,
     k: Array,
@@ -140,12 +153,7 @@ def evolve_heads(
     q, k: [B, T, H, d_head]; dt: [H]; params: coupling-MLP params (see `coupling_mlp`), shared by all heads, or with
     a leading H axis on every leaf when `per_head_params=True`. Returns (q_n, k_n), both [B, T, H, d_head].
     """
-    _check(method, n_steps)
-    if q.ndim != 4 or q.shape != k.shape:
-        raise ValueError(f"q and k must both be [B, T, H, d_head]; got {q.shape} and {k.shape}")
-    n_heads = q.shape[2]
-    if dt.shape != (n_heads,):
-        raise ValueError(f"dt must have shape [H]=({n_heads},), got {dt.shape}")
+    _check_heads(q, k, dt, method, n_steps)
 
     def one_head(q_h, k_h, dt_h, params_h):
         return integrate(q_h, k_h, dt_h, functools.partial(coupling_mlp, params_h), n_steps, method, unroll)
@@ -181,14 +189,7 @@ def evolve_heads_batched(
     attention layer's explicit path uses. This is the layer's default lowering (`model.coupling_lowering`);
     benchmarks/NOTES.md compares the two.
     """
-    _check(method, n_steps)
-    if q.ndim != 4 or q.shape != k.shape:
-        raise ValueError(f"q and k must both be [B, T, H, d_head] (or [B, H, T, d_head]); got {q.shape}, {k.shape}")
-    if head_axis not in (1, 2):
-        raise ValueError(f"head_axis must be 1 or 2, got {head_axis}")
-    n_heads = q.shape[head_axis]
-    if dt.shape != (n_heads,):
-        raise ValueError(f"dt must have shape [H]=({n_heads},), got {dt.shape}")
+    n_heads = _check_heads(q, k, dt, method, n_steps, head_axis)
     if per_head_params and head_axis == 1:  # coupling_mlp_heads wants heads next to the feature axis
         q, k = evolve_heads_batched(jnp.swapaxes(q, 1, 2), jnp.swapaxes(k, 1, 2), dt, params, n_steps, method,
                                     unroll, per_head_params=True)

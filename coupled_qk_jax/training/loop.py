@@ -376,6 +376,18 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True
 # --------------------------------------------------------------------------------------------------------------------
 
 
+def restore_latest(cfg: ml_collections.ConfigDict, workdir: str) -> tuple[Setup, dict]:
+    """Set up ``workdir``'s run and restore its latest completed train state into the mesh's shardings (no data
+    iterator: for evaluation and diagnostics). The checkpoint manager is closed before returning."""
+    s = setup(cfg, workdir)
+    try:
+        if s.latest is None:
+            raise ValueError(f"no completed checkpoint in {s.checkpointer.directory}: train first")
+        state = s.checkpointer.restore(s.latest, abstract_target(s.abstract_state, s.shardings))
+    finally:
+        s.checkpointer.close()
+    return s, state
+
 def evaluate_checkpoint(cfg: ml_collections.ConfigDict, workdir: str, split: str = "validation") -> dict[str, Any]:
     """Evaluate the latest checkpoint in ``workdir`` on a whole split; updates summary.json and metrics.jsonl."""
     if split not in ("validation", "test"):
@@ -384,13 +396,7 @@ def evaluate_checkpoint(cfg: ml_collections.ConfigDict, workdir: str, split: str
     workdir = os.path.abspath(workdir)
     if not os.path.isdir(os.path.join(workdir, "checkpoints")):
         raise ValueError(f"no checkpoint in {workdir}: train first (python train.py --workdir={workdir} ...)")
-    s = setup(cfg, workdir)
-    try:
-        if s.latest is None:
-            raise ValueError(f"no completed checkpoint in {s.checkpointer.directory}")
-        state = s.checkpointer.restore(s.latest, abstract_target(s.abstract_state, s.shardings))
-    finally:
-        s.checkpointer.close()
+    s, state = restore_latest(cfg, workdir)
     eval_step = make_sharded_eval_step(s.graphdef, s.shardings["params"], s.mesh, s.param_transform)
     result = evaluate_tokens(eval_step, state["params"], s.cache.tokens(split), int(cfg.data.seq_len),
                              eval_batch_size(cfg), s.mesh, bos_id=s.cache.eot_id)
