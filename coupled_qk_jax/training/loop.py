@@ -388,6 +388,7 @@ def restore_latest(cfg: ml_collections.ConfigDict, workdir: str) -> tuple[Setup,
         s.checkpointer.close()
     return s, state
 
+
 def evaluate_checkpoint(cfg: ml_collections.ConfigDict, workdir: str, split: str = "validation") -> dict[str, Any]:
     """Evaluate the latest checkpoint in ``workdir`` on a whole split; updates summary.json and metrics.jsonl."""
     if split not in ("validation", "test"):
