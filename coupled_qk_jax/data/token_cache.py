@@ -163,16 +163,21 @@ def _limited(docs: Iterator[str], max_bytes: int | None) -> Iterator[str]:
 
 def _make_tokenizer(spec: CorpusSpec, kind: str, vocab_size: int, tokenizer_path: str | None,
                     bpe_train_bytes: int | None, entry: Path) -> tuple[Tokenizer, str | None]:
+    # The model's vocabulary may be padded above the tokenizer's (e.g. GPT-2's 50,257 tokens in a 50,304-row
+    # embedding, a multiple of 64): the padding ids never occur in the data, and generation masks them.
     if kind == "byte":
-        if vocab_size != ByteTokenizer.vocab_size:
+        if vocab_size < ByteTokenizer.vocab_size:
             raise CorpusError(f"vocab mismatch: the byte tokenizer has vocab_size {ByteTokenizer.vocab_size} "
-                              f"(256 bytes + <|endoftext|>), but {vocab_size} was asked for")
+                              f"(256 bytes + <|endoftext|>), more than the {vocab_size} asked for")
         return ByteTokenizer(), None
     if kind != "bpe":
         raise CorpusError(f"unknown tokenizer {kind!r}; expected 'bpe' or 'byte'")
     target = entry / "tokenizer.json"
     if tokenizer_path:
-        tok = BPETokenizer.load(tokenizer_path, vocab_size)
+        tok = BPETokenizer.load(tokenizer_path)
+        if tok.vocab_size > vocab_size:
+            raise CorpusError(f"vocab mismatch: tokenizer {tokenizer_path} has {tok.vocab_size} tokens, more than "
+                              f"model.vocab_size {vocab_size}; set model.vocab_size >= {tok.vocab_size}")
     else:
         t0 = time.perf_counter()
         tok = BPETokenizer.train(_limited(iter_documents(spec, "train", warn=False), bpe_train_bytes), vocab_size)
@@ -190,9 +195,10 @@ def build_token_cache(corpus: CorpusSpec | str | dict[str, Any], cache_dir: str 
       corpus: a :class:`CorpusSpec`, its string form (``"stdlib"``, ``"text_dir:DIR"``, ...) or its dict form.
       cache_dir: root of the cache (created if missing).
       tokenizer: ``"bpe"`` (trained on the corpus's train split unless ``tokenizer_path`` is given) or ``"byte"``.
-      vocab_size: the model's vocabulary; must equal the tokenizer's (257 for ``"byte"``).
+      vocab_size: the model's vocabulary. A trained BPE gets exactly this many tokens; a given tokenizer file and
+        the byte tokenizer (257) may be smaller (the model's extra rows are padding ids that never occur).
       tokenizer_path: an existing BPE ``tokenizer.json`` to use instead of training one (e.g. to compare corpora
-        under one tokenizer).
+        under one tokenizer, or a pretrained one such as GPT-2's; it must contain ``<|endoftext|>``).
       bpe_train_bytes: cap on the training text fed to BPE training (text bytes, whole documents).
       rebuild: rebuild even when a matching entry exists.
 

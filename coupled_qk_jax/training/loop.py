@@ -124,9 +124,9 @@ def load_data(cfg: ml_collections.ConfigDict, mcfg: ModelConfig) -> TokenCache:
     cache = build_token_cache(
         corpus_spec(cfg.data), os.path.expanduser(str(cfg.data.cache_dir)), tokenizer=str(cfg.data.tokenizer),
         vocab_size=mcfg.vocab_size, tokenizer_path=str(cfg.data.tokenizer_path) or None)
-    if cache.vocab_size != mcfg.vocab_size:
+    if cache.vocab_size > mcfg.vocab_size:  # smaller is fine: the model's extra ids are padding, never in the data
         raise ValueError(f"vocab mismatch: the token cache {cache.directory.name} has vocab {cache.vocab_size}, "
-                         f"model.vocab_size is {mcfg.vocab_size}")
+                         f"more than model.vocab_size {mcfg.vocab_size}")
     return cache
 
 

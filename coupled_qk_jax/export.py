@@ -1,0 +1,186 @@
+"""Export a trained run to a portable folder (safetensors weights, config, tokenizer) and rebuild the model from it.
+
+    python export.py --workdir=runs/ce_tiny --out=exported/ce_tiny
+
+    from coupled_qk_jax.export import load_exported
+    model, tokenizer, manifest = load_exported("exported/ce_tiny")     # model(tokens [B, T]) -> logits [B, T, V]
+
+The folder needs nothing but this package to load: no checkpoint, no corpus, no token cache.
+
+    DIR/model.safetensors   every parameter, float32, named by its dotted path in the model, e.g. ``embed``,
+                            ``blocks.0.attn.wq`` [d_model, H, d_head], ``blocks.0.attn.coupling.w1``,
+                            ``final_norm.scale`` (the names are the model's own attribute paths, so they change only
+                            when model.py's structure does)
+    DIR/config.json         the run's full config; the loader reads its ``model`` block
+    DIR/tokenizer.json      the BPE tokenizer (absent for the byte tokenizer)
+    DIR/export.json         written last: format, checkpoint step, tokenizer kind / size / end-of-text id, and the
+                            SHA-256 of every other file, checked on load so a damaged file is refused by name
+
+The folder is written under a temporary name and renamed into place, so an interrupted export never leaves a
+folder that looks complete. The round trip is exact: the loaded model's parameters are bitwise the checkpoint's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from coupled_qk_jax.config import ModelConfig
+from coupled_qk_jax.data.tokenizer import BPETokenizer, ByteTokenizer, Tokenizer
+
+FORMAT = "coupled_qk_jax.export"
+FORMAT_VERSION = 1
+WEIGHTS, CONFIG, TOKENIZER, MANIFEST = "model.safetensors", "config.json", "tokenizer.json", "export.json"
+
+
+class ExportError(ValueError):
+    """An export folder cannot be written or read as asked (missing, corrupt, mismatched). One-line message."""
+
+
+# -- parameter names -------------------------------------------------------------------------------------------------
+def _name(path: tuple) -> str:
+    return ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+
+
+def flatten_params(params: Any) -> dict[str, np.ndarray]:
+    """``{dotted name: host array}`` of a params pytree (``nnx.to_pure_dict`` of the model, as checkpoints hold it)."""
+    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    return {_name(p): np.asarray(jax.device_get(x)) for p, x in leaves}
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+# -- writing ---------------------------------------------------------------------------------------------------------
+def write_export(out: str | os.PathLike[str], params: Any, config: dict[str, Any], tokenizer: Tokenizer,
+                 step: int | None = None) -> Path:
+    """Writes an export folder from a params pytree, the run's config dict and its tokenizer; returns its path.
+
+    ``out`` may be missing, empty, or an earlier export (replaced); any other existing path is refused.
+    """
+    from safetensors.numpy import save_file  # noqa: PLC0415 - only exporting needs it
+
+    out = Path(out).absolute()
+    if out.exists() and not (out.is_dir() and (not any(out.iterdir()) or (out / MANIFEST).is_file())):
+        raise ExportError(f"--out {out} exists and is not an export folder; choose a new or empty directory")
+    ModelConfig.from_dict(config["model"])  # the loader must be able to read what we write
+    tensors = {k: np.ascontiguousarray(v) for k, v in flatten_params(params).items()}
+    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file(tensors, str(tmp / WEIGHTS), metadata={"format": FORMAT, "format_version": str(FORMAT_VERSION)})
+    (tmp / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    files = [WEIGHTS, CONFIG]
+    if isinstance(tokenizer, BPETokenizer):
+        tokenizer.save(tmp / TOKENIZER)
+        files.append(TOKENIZER)
+    elif not isinstance(tokenizer, ByteTokenizer):
+        raise ExportError(f"cannot export a {type(tokenizer).__name__}; expected a BPE or byte tokenizer")
+    manifest = {
+        "format": FORMAT, "format_version": FORMAT_VERSION, "step": step,
+        "tokenizer": {"kind": tokenizer.kind, "vocab_size": int(tokenizer.vocab_size), "eot_id": int(tokenizer.eot_id),
+                      "file": TOKENIZER if TOKENIZER in files else None},
+        "parameters": {"count": int(sum(v.size for v in tensors.values())), "tensors": len(tensors)},
+        "sha256": {f: _sha256(tmp / f) for f in files},
+    }
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    return out
+
+
+def export_run(workdir: str | os.PathLike[str], out: str | os.PathLike[str]) -> Path:
+    """Exports the latest completed checkpoint of the train.py run in ``workdir`` (its own config and tokenizer)."""
+    from coupled_qk_jax.training import loop  # noqa: PLC0415 - the loader side needs none of the training stack
+
+    cfg = loop.saved_run_config(str(workdir))
+    s, state = loop.restore_latest(cfg, str(workdir))
+    return write_export(out, state["params"], cfg.to_dict(), s.cache.tokenizer, step=int(state["step"]))
+
+
+# -- loading ---------------------------------------------------------------------------------------------------------
+def _read_manifest(d: Path) -> dict[str, Any]:
+    if not d.is_dir():
+        raise ExportError(f"export folder {d} does not exist")
+    mp = d / MANIFEST
+    if not mp.is_file():
+        raise ExportError(f"{d} is not an export folder (no {MANIFEST}); write one with "
+                          f"python export.py --workdir=RUN --out={d}")
+    try:
+        manifest = json.loads(mp.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ExportError(f"{mp} is not valid JSON ({e}); export again") from None
+    if manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:
+        raise ExportError(f"{mp} is format {manifest.get('format')!r} version {manifest.get('format_version')!r}; "
+                          f"this code reads {FORMAT!r} version {FORMAT_VERSION}")
+    for f, digest in manifest.get("sha256", {}).items():
+        if not (d / f).is_file():
+            raise ExportError(f"{d / f} is missing; export again")
+        if _sha256(d / f) != digest:
+            raise ExportError(f"{d / f} is corrupt (its SHA-256 differs from {MANIFEST}); export again")
+    return manifest
+
+
+def load_exported(directory: str | os.PathLike[str]) -> tuple[nnx.Module, Tokenizer, dict[str, Any]]:
+    """Rebuilds ``(model, tokenizer, manifest)`` from an export folder alone.
+
+    The model is a ``TransformerLM`` with the exported float32 parameters (host arrays on the default device);
+    ``manifest["config"]`` is the run's full config. Raises :class:`ExportError` (one line) when the folder is
+    missing, a file is damaged, or the weights do not fit the config's model (names or shapes differ).
+    """
+    from safetensors import SafetensorError  # noqa: PLC0415
+    from safetensors.numpy import load_file  # noqa: PLC0415
+
+    from coupled_qk_jax.model import TransformerLM  # noqa: PLC0415
+    from coupled_qk_jax.training.steps import split_model  # noqa: PLC0415
+
+    d = Path(directory)
+    manifest = _read_manifest(d)
+    config = json.loads((d / CONFIG).read_text(encoding="utf-8"))
+    try:
+        mcfg = ModelConfig.from_dict(config.get("model", {}))
+    except (TypeError, ValueError) as e:
+        raise ExportError(f"{d / CONFIG} has no valid model block: {str(e).splitlines()[0]}") from None
+    try:
+        tensors = load_file(str(d / WEIGHTS))
+    except SafetensorError as e:
+        raise ExportError(f"{d / WEIGHTS} cannot be read ({e}); export again") from None
+
+    graphdef, abstract = split_model(nnx.eval_shape(lambda: TransformerLM(mcfg, 0)))
+    paths, treedef = jax.tree_util.tree_flatten_with_path(abstract)
+    expected = {_name(p): x for p, x in paths}
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    wrong = [f"{k} {tuple(tensors[k].shape)}/{tensors[k].dtype} vs {tuple(v.shape)}/{v.dtype}"
+             for k, v in expected.items() if k in tensors
+             and (tuple(tensors[k].shape) != tuple(v.shape) or tensors[k].dtype != v.dtype)]
+    if missing or unexpected or wrong:
+        parts = [f"missing {', '.join(missing[:3])}" if missing else "",
+                 f"unexpected {', '.join(unexpected[:3])}" if unexpected else "",
+                 f"shape/dtype {'; '.join(wrong[:3])}" if wrong else ""]
+        raise ExportError(f"{d / WEIGHTS} does not match the model in {CONFIG} ({'; '.join(p for p in parts if p)})")
+    params = jax.tree_util.tree_unflatten(treedef, [jnp.asarray(tensors[_name(p)]) for p, _ in paths])
+    model = nnx.merge(graphdef, params)
+
+    tok_info = manifest["tokenizer"]
+    tokenizer: Tokenizer = (ByteTokenizer() if tok_info["kind"] == "byte"
+                            else BPETokenizer.load(d / tok_info["file"], int(tok_info["vocab_size"])))
+    if tokenizer.vocab_size > mcfg.vocab_size:
+        raise ExportError(f"{d}: the tokenizer has {tokenizer.vocab_size} tokens but the model only "
+                          f"{mcfg.vocab_size}; export again")
+    return model, tokenizer, {**manifest, "config": config}

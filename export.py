@@ -1,0 +1,35 @@
+"""Export a run's latest checkpoint to a portable folder: `python export.py --workdir=RUN --out=DIR`.
+
+Writes DIR/model.safetensors (float32 weights named by dotted paths), DIR/config.json (the run's config),
+DIR/tokenizer.json (BPE runs) and DIR/export.json (checksums). Load it with
+`coupled_qk_jax.export.load_exported(DIR)`. See coupled_qk_jax/export.py.
+"""
+
+from __future__ import annotations
+
+from absl import app, flags, logging
+
+flags.DEFINE_string("workdir", None, "Run directory written by train.py.")
+flags.DEFINE_string("out", None, "Export folder to write (new, empty, or an earlier export, which is replaced).")
+flags.mark_flags_as_required(["workdir", "out"])
+FLAGS = flags.FLAGS
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
+    from coupled_qk_jax.training import cli
+
+    cli.exit_process(cli.run_guarded(_export))
+
+
+def _export() -> None:
+    from coupled_qk_jax.export import export_run
+
+    out = export_run(FLAGS.workdir, FLAGS.out)
+    print(f"exported {FLAGS.workdir} -> {out}", flush=True)
+
+
+if __name__ == "__main__":
+    app.run(main)
