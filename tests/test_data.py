@@ -10,14 +10,17 @@ from __future__ import annotations
 import json
 import os
 import random
+import subprocess
+import sys
 import sysconfig
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from coupled_qk_jax.data.corpora import (
-    SPLITS, CorpusError, CorpusSpec, ReadStats, iter_documents, list_files)
+    SPLITS, CorpusError, CorpusSpec, ReadStats, carve_fractions, iter_documents, list_files, split_of)
 from coupled_qk_jax.data.pipeline import (
     IGNORE_INDEX, eval_batches, make_train_iterator, num_eval_batches, num_train_slots, train_window_starts)
 from coupled_qk_jax.data.token_cache import build_token_cache, load_token_cache, token_dtype
@@ -157,14 +160,88 @@ def test_wikitext_missing_and_present(tmp_path: Path):
     assert list(iter_documents(f"wikitext103:{tmp_path}", "validation")) == [body["validation"]]
 
 
-def test_hf_corpus_needs_datasets_or_reports_clearly():
-    try:
-        import datasets  # noqa: F401
-    except ImportError:
-        with pytest.raises(CorpusError, match="pip install datasets"):
-            list(iter_documents("hf:openwebtext", "train"))
-    else:
-        pytest.skip("datasets is installed; the offline error path cannot be exercised")
+# -- Hugging Face datasets (the [hf] extra): local formats built here, offline behaviour -----------------------------
+HF_ROWS = {split: [f"{split} row {i}: " + " ".join(WORDS[(i * 7 + j) % len(WORDS)] for j in range(30)) + "\n"
+                   for i in range(n)] for split, n in (("train", 24), ("validation", 5), ("test", 4))}
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """Corpus strings of one three-split dataset in every local layout docs/data.md lists (rows = HF_ROWS)."""
+    datasets = pytest.importorskip("datasets")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    root = tmp_path_factory.mktemp("hf")
+    (root / "parquet").mkdir()
+    (root / "arrow").mkdir()
+    (root / "snapshot" / "wikitext-103-raw-v1").mkdir(parents=True)
+    for split, rows in HF_ROWS.items():
+        table = pa.table({"id": list(range(len(rows))), "text": rows})
+        pq.write_table(table, root / "parquet" / f"{split}.parquet")
+        pq.write_table(table, root / "snapshot" / "wikitext-103-raw-v1" / f"{split}-00000-of-00001.parquet")
+        with pa.ipc.new_stream(str(root / "arrow" / f"{split}.arrow"), table.schema) as w:
+            w.write_table(table)
+    datasets.DatasetDict({s: datasets.Dataset.from_dict({"text": r}) for s, r in HF_ROWS.items()}).save_to_disk(
+        str(root / "disk"))
+    return {"parquet": f"hf:{root / 'parquet'}", "arrow": f"hf:{root / 'arrow'}", "save_to_disk": f"hf:{root / 'disk'}",
+            "hub snapshot": f"hf:{root / 'snapshot'}:wikitext-103-raw-v1:text"}
+
+
+@pytest.mark.parametrize("layout", ["parquet", "arrow", "save_to_disk", "hub snapshot"])
+def test_hf_local_layouts_end_to_end(hf_dirs: dict[str, str], layout: str, tmp_path: Path):
+    spec = CorpusSpec.parse(hf_dirs[layout])
+    for split in SPLITS:
+        assert list(iter_documents(spec, split)) == HF_ROWS[split]
+    cache = build_token_cache(spec, tmp_path, tokenizer="byte", vocab_size=257)
+    for split in SPLITS:  # every row, then <|endoftext|> (256), in the file's order
+        expected = np.concatenate([np.append(np.frombuffer(r.encode(), np.uint8), 256) for r in HF_ROWS[split]])
+        np.testing.assert_array_equal(cache.tokens(split), expected)
+
+
+def test_hf_single_file_carves_splits_and_changes_rebuild_the_cache(hf_dirs: dict[str, str], tmp_path: Path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "only_train.parquet"
+    pq.write_table(pa.table({"body": HF_ROWS["train"]}), path)
+    spec = CorpusSpec("hf", name=str(path), text_field="body", split_fractions=(0.5, 0.25, 0.25))
+    got = {s: list(iter_documents(spec, s)) for s in SPLITS}
+    assert sorted(sum(got.values(), [])) == sorted(HF_ROWS["train"])  # each row in exactly one split
+    assert got == {s: [r for i, r in enumerate(HF_ROWS["train"]) if split_of(f"row/{i}", (0.5, 0.25, 0.25)) == s]
+                   for s in SPLITS}
+    assert all(got.values())
+    # With its own validation split, only test is carved: train's rows split 2:1 into train and test.
+    assert carve_fractions({"train", "validation"}, (0.5, 0.25, 0.25)) == pytest.approx((2 / 3, 0.0, 1 / 3))
+    assert carve_fractions({"train", "validation", "test"}, (0.5, 0.25, 0.25)) is None
+    first = build_token_cache(spec, tmp_path / "cache", tokenizer="byte", vocab_size=257)
+    n_docs = sum(first.manifest["splits"][s]["documents"] for s in SPLITS)
+    pq.write_table(pa.table({"body": HF_ROWS["train"][:12]}), path)  # halve the file: the cache must notice
+    second = build_token_cache(spec, tmp_path / "cache", tokenizer="byte", vocab_size=257)
+    assert n_docs == 24 and sum(second.manifest["splits"][s]["documents"] for s in SPLITS) == 12
+    with pytest.raises(CorpusError, match="no text field 'text'; fields: \\['body'\\]"):
+        list(iter_documents(CorpusSpec("hf", name=str(path)), "train"))
+
+
+def test_hf_offline_fails_fast_in_one_line():
+    pytest.importorskip("datasets")
+    code = ("from coupled_qk_jax.data.corpora import CorpusError, iter_documents\n"
+            "try:\n    list(iter_documents('hf:nobody-has/this-dataset-xyz', 'train'))\n"
+            "except CorpusError as e:\n    print('ERR', e)\n")
+    root = Path(__file__).resolve().parents[1]
+    t0 = time.perf_counter()
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(root)})
+    elapsed = time.perf_counter() - t0
+    lines = [x for x in out.stdout.splitlines() if x.startswith("ERR")]
+    assert len(lines) == 1 and "HF_HUB_OFFLINE is set" in lines[0], out.stdout + out.stderr[-2000:]
+    assert elapsed < 60, f"took {elapsed:.0f} s: offline mode must not wait for network retries"
+
+
+def test_hf_without_datasets_is_a_clear_error(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setitem(sys.modules, "datasets", None)  # import datasets -> ImportError
+    with pytest.raises(CorpusError, match=r"pip install datasets \(or pip install -e \"\.\[hf\]\"\)"):
+        list(iter_documents("hf:openwebtext", "train"))
 
 
 def test_mixture_weights_and_membership(tmp_path: Path):

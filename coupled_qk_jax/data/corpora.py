@@ -11,7 +11,8 @@ Kinds:
 * ``text_dir`` - every ``.txt``/``.md``/``.rst``/``.py`` file under a local directory.
 * ``wikitext103`` - the raw WikiText-103 files ``wiki.{train,valid,test}.raw`` in a local directory; one document
   per article.
-* ``hf`` - any Hugging Face dataset by name, config and text field; ``datasets`` is imported only here.
+* ``hf`` - any Hugging Face dataset by name, config and text field, from the hub or a local parquet/arrow/json/csv
+  folder or file or a ``save_to_disk`` folder; ``datasets`` (the ``[hf]`` extra) is imported only here.
 * ``mixture`` - weighted sources, for heterogeneous-corpus experiments.
 
 File-based corpora split *by file*: a file's split is a function of the SHA-256 of its path relative to the corpus
@@ -55,7 +56,7 @@ class CorpusSpec:
     Attributes:
       kind: one of :data:`KINDS`.
       path: root directory for ``text_dir`` and ``wikitext103``.
-      name, config, text_field: the Hugging Face dataset (``hf`` only).
+      name, config, text_field: the Hugging Face dataset (``hf`` only): a hub name or a local file or folder.
       sources: ``((spec, weight), ...)`` for ``mixture``; weights are relative shares of the mixture's text.
       split_fractions: (train, validation, test) fractions for file-based splitting (and for ``hf`` datasets that
         lack a validation/test split). Ignored by ``wikitext103``, which ships its own split.
@@ -154,6 +155,8 @@ class CorpusSpec:
         """JSON-able form; stable, so its hash keys the token cache. Directories are made absolute."""
         d = dataclasses.asdict(self)
         d["path"] = os.path.abspath(os.path.expanduser(self.path)) if self.path else None
+        if self.kind == "hf" and self.name and os.path.exists(os.path.expanduser(self.name)):
+            d["name"] = os.path.abspath(os.path.expanduser(self.name))  # a local dataset: key it by where it is
         d["sources"] = [[s.to_dict(), w] for s, w in self.sources]
         d["split_fractions"] = list(self.split_fractions)
         d["suffixes"] = list(self.suffixes)
@@ -254,7 +257,8 @@ def source_fingerprint(spec: CorpusSpec | str) -> dict[str, Any]:
     """A cheap description of the sources as they are now (no file contents read), to notice a changed corpus.
 
     For file corpora: the SHA-256 of the list of (relative path, size, mtime_ns); for WikiText the same over its
-    three files; for ``hf`` only the spec (the hub versions datasets itself); for a mixture, its sources'.
+    three files; for a local ``hf`` file or folder the same over its files; for a hub dataset only the spec (the
+    hub versions it); for a mixture, its sources'.
     """
     spec = CorpusSpec.coerce(spec)
     h = hashlib.sha256()
@@ -271,7 +275,14 @@ def source_fingerprint(spec: CorpusSpec | str) -> dict[str, Any]:
             h.update(f"{paths[split].name}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
         return {"kind": spec.kind, "files": 3, "file_list_sha256": h.hexdigest()}
     if spec.kind == "hf":
-        return {"kind": "hf", "name": spec.name, "config": spec.config}
+        local = hf_local_path(spec)
+        if local is None:  # a hub dataset: the hub versions it
+            return {"kind": "hf", "name": spec.name, "config": spec.config}
+        files = [local] if local.is_file() else sorted(p for p in local.rglob("*") if p.is_file())
+        for p in files:
+            st = p.stat()
+            h.update(f"{p.name if p == local else p.relative_to(local)}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+        return {"kind": "hf", "files": len(files), "file_list_sha256": h.hexdigest()}
     return {"kind": "mixture", "sources": [source_fingerprint(s) for s, _ in spec.sources]}
 
 
@@ -319,28 +330,98 @@ def _read_wikitext(path: Path) -> Iterator[str]:
         yield "".join(buf)
 
 
-def _read_hf(spec: CorpusSpec, split: str) -> Iterator[str]:
+# Local single files an ``hf:`` corpus may name, and the ``datasets`` builder that reads each.
+HF_FILE_BUILDERS: dict[str, str] = {".parquet": "parquet", ".arrow": "arrow", ".jsonl": "json", ".json": "json",
+                                    ".csv": "csv"}
+_NEEDS_DATASETS = 'the Hugging Face datasets package: pip install datasets (or pip install -e ".[hf]")'
+
+
+def hf_local_path(spec: CorpusSpec) -> Path | None:
+    """The local file or folder an ``hf:`` spec names, or None for a hub dataset.
+
+    ``hf:DIR:CONFIG`` with a ``DIR/CONFIG`` folder reads that folder, which is the layout of a downloaded hub
+    snapshot (``huggingface-cli download Salesforce/wikitext --repo-type dataset --local-dir DIR`` gives
+    ``DIR/wikitext-103-raw-v1/{train,validation,test}-*.parquet``).
+    """
+    assert spec.name is not None
+    p = Path(os.path.expanduser(spec.name))
+    if not p.exists():
+        return None
+    if spec.config and (p / spec.config).is_dir():
+        p = p / spec.config
+    return p.absolute()
+
+
+def _hf_offline() -> bool:
+    import datasets  # noqa: PLC0415
+
+    return bool(getattr(datasets.config, "HF_HUB_OFFLINE", False)) or os.environ.get(
+        "HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
+
+
+def _open_hf(spec: CorpusSpec) -> Any:
+    """``{split name: iterable of row dicts}`` of an ``hf:`` corpus: streamed from the hub or a local folder/file
+    (parquet, arrow, json, csv; split names inferred from the file names, as ``datasets.load_dataset`` does), or a
+    ``save_to_disk`` folder (memory-mapped)."""
     try:
         import datasets  # noqa: PLC0415 - optional dependency, imported only when an hf corpus is asked for
     except ImportError:
-        raise CorpusError(f"corpus {spec} needs the Hugging Face datasets package: pip install datasets") from None
-    hf_split = {"train": "train", "validation": "validation", "test": "test"}[split]
+        raise CorpusError(f"corpus {spec} needs {_NEEDS_DATASETS}") from None
+    local = hf_local_path(spec)
     try:
-        available = set(datasets.get_dataset_split_names(spec.name, spec.config))
+        if local is None:  # the hub; streaming avoids downloading all of a 40 GB corpus when max_bytes caps it
+            return datasets.load_dataset(spec.name, spec.config, streaming=True)
+        if (local / "dataset_dict.json").is_file() or (local / "state.json").is_file():  # save_to_disk
+            ds = datasets.load_from_disk(str(local))
+            return ds if isinstance(ds, datasets.DatasetDict) else {"train": ds}
+        if local.is_file():
+            builder = HF_FILE_BUILDERS.get(local.suffix)
+            if builder is None:
+                raise CorpusError(f"hf corpus file {local} is not one of {', '.join(HF_FILE_BUILDERS)}; for plain "
+                                  "text use text_dir:DIR")
+            return datasets.load_dataset(builder, data_files=str(local), streaming=True)
+        return datasets.load_dataset(str(local), streaming=True)
+    except CorpusError:
+        raise
     except Exception as e:  # noqa: BLE001 - hub errors come in many types; one clear line is what matters here
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        if local is None and _hf_offline():
+            raise CorpusError(f"hf:{spec.name} is not a local path and not in the Hugging Face cache, and "
+                              "HF_HUB_OFFLINE is set: download it once with a network, or name a local parquet/"
+                              "arrow/save_to_disk folder (docs/data.md)") from None
+        hint = "" if local is not None else " (without a network, set HF_HUB_OFFLINE=1 to fail at once)"
         raise CorpusError(f"cannot open Hugging Face dataset {spec.name!r} (config {spec.config!r}): "
-                          f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
-    carve = hf_split not in available
-    if carve:
-        if "train" not in available:
-            raise CorpusError(f"dataset {spec.name!r} has splits {sorted(available)}, neither {hf_split!r} nor train")
-        # Datasets such as OpenWebText ship only "train": carve validation/test out of it by a hash of the row index.
-        logger.info("dataset %s has no %s split; carving it from train with fractions %s", spec.name, split,
-                    spec.split_fractions)
-    # Streaming avoids downloading all of a 40 GB corpus when max_bytes caps what is used.
-    ds = datasets.load_dataset(spec.name, spec.config, split="train" if carve else hf_split, streaming=True)
-    for i, row in enumerate(ds):
-        if carve and split_of(f"row/{i}", spec.split_fractions) != split:
+                          f"{type(e).__name__}: {first}{hint}") from None
+
+
+def carve_fractions(available: set[str], fractions: Sequence[float]) -> tuple[float, float, float] | None:
+    """How train rows are divided when a dataset lacks some splits: None when it has all three; otherwise the
+    fractions of (train, validation, test) over train's rows, zero for the splits the dataset has itself and
+    renormalised over the others, so every row lands in exactly one split (train included)."""
+    missing = [s for s in SPLITS[1:] if s not in available]
+    if not missing:
+        return None
+    kept = [f if s == "train" or s in missing else 0.0 for s, f in zip(SPLITS, fractions)]
+    total = sum(kept)
+    if total <= 0:
+        raise CorpusError(f"split_fractions {tuple(fractions)} give no rows to the carved split(s) {missing}")
+    return (kept[0] / total, kept[1] / total, kept[2] / total)
+
+
+def _read_hf(spec: CorpusSpec, split: str) -> Iterator[str]:
+    splits = _open_hf(spec)
+    available = set(splits)
+    if "train" not in available:
+        raise CorpusError(f"dataset {spec.name!r} has splits {sorted(available)}, no train split")
+    carve = carve_fractions(available, spec.split_fractions)
+    from_train = carve is not None and (split == "train" or split not in available)
+    if from_train:
+        # Datasets such as OpenWebText ship only "train": the missing splits are carved out of it by a hash of the
+        # row index, and train keeps only the rest (no row is in two splits).
+        logger.info("dataset %s lacks %s; carving from train with fractions %s", spec.name,
+                    [s for s in SPLITS if s not in available], carve)
+    for i, row in enumerate(splits["train" if from_train else split]):
+        if from_train and split_of(f"row/{i}", carve) != split:
             continue
         text = row.get(spec.text_field)
         if text is None:
@@ -427,7 +508,7 @@ def download_wikitext103(dest: str | os.PathLike[str]) -> Path:
     try:
         import datasets  # noqa: PLC0415 - optional dependency
     except ImportError:
-        raise CorpusError("downloading WikiText-103 needs the datasets package: pip install datasets") from None
+        raise CorpusError(f"downloading WikiText-103 needs {_NEEDS_DATASETS}") from None
     out = Path(dest)
     out.mkdir(parents=True, exist_ok=True)
     for split, fn in WIKITEXT_FILES.items():
