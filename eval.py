@@ -16,7 +16,7 @@ config_flags.DEFINE_config_file("config", None, "Config file and argument (defau
 flags.DEFINE_string("workdir", None, "Run directory written by train.py.")
 flags.DEFINE_enum("split", "validation", ["validation", "test"], "Split to evaluate.")
 flags.DEFINE_bool("diagnostics", False, "Also write attention diagnostics of the checkpoint on the split's first "
-                  "windows to WORKDIR/diagnostics.{json,png} (coupled_qk_jax.diagnostics_report).")
+                  "windows to WORKDIR/diagnostics_<split>_step<step>.{json,png} (coupled_qk_jax.diagnostics_report).")
 flags.mark_flags_as_required(["workdir"])
 FLAGS = flags.FLAGS
 
@@ -45,7 +45,7 @@ def _eval() -> None:
         means = report["model_mean"]
         print(f"diagnostics: effective rank {means['effective_rank']:.3f}, normalised entropy "
               f"{means['entropy_normalized']:.3f}, sink mass {means['sink_mass']:.3f} -> "
-              f"{FLAGS.workdir}/diagnostics.json, diagnostics.png", flush=True)
+              f"{report['files']['json']}, {report['files']['png']}", flush=True)
 
 
 if __name__ == "__main__":

@@ -101,45 +101,89 @@ def _grid(layers: list[dict[str, Any]], key: str, field: str = "heads") -> np.nd
     return out
 
 
+# Panels of the figure, in order, each (metric, field of the layer dict, colour group). A group is one colour scale:
+# metrics with natural bounds use them (so figures of different runs, splits and steps read alike), and related
+# panels (q/k norms before and after the transform, the two relative changes) share one range, so equal values have
+# equal colours wherever they appear.
+PANELS: tuple[tuple[str, str, str], ...] = (
+    ("entropy", "heads", "entropy"), ("entropy_normalized", "heads", "unit"), ("effective_rank", "heads", "rank"),
+    ("spectral_gap", "heads", "gap"), ("sigma2_over_sigma1", "heads", "unit"), ("sink_mass", "heads", "unit"),
+    ("induction_mass", "heads", "unit"),
+    ("q_norm_before", "qk_heads", "norm"), ("q_norm_after", "qk_heads", "norm"), ("k_norm_before", "qk_heads", "norm"),
+    ("k_norm_after", "qk_heads", "norm"), ("qk_cos_before", "qk_heads", "cos"), ("qk_cos_after", "qk_heads", "cos"),
+    ("q_rel_change", "qk_heads", "change"), ("k_rel_change", "qk_heads", "change"),
+)
+# Natural bounds; a group without one takes the min..max of its panels. Differential attention's A1 - λ·A2 can leave
+# [0, 1], so a bound widens to the data rather than clipping it.
+GROUP_BOUNDS: dict[str, tuple[float, float]] = {"unit": (0.0, 1.0), "cos": (-1.0, 1.0)}
+GROUP_CMAPS: dict[str, str] = {"cos": "RdBu_r"}
+
+
+def colour_limits(grids: dict[str, np.ndarray], groups: dict[str, str]) -> dict[str, tuple[float, float]]:
+    """(vmin, vmax) per group from the [layers, heads] grids of its metrics (NaN ignored)."""
+    limits: dict[str, tuple[float, float]] = {}
+    for group in set(groups.values()):
+        vals = np.concatenate([g[np.isfinite(g)] for k, g in grids.items() if groups[k] == group] or [np.zeros(0)])
+        lo, hi = GROUP_BOUNDS.get(group, (np.inf, -np.inf))
+        if vals.size:
+            lo, hi = min(lo, float(vals.min())), max(hi, float(vals.max()))
+        if not np.isfinite(lo) or not np.isfinite(hi):
+            lo, hi = 0.0, 1.0
+        if hi - lo < 1e-12:  # a constant metric (e.g. no change under the standard variant): a visible range
+            lo, hi = lo - 0.5, hi + 0.5
+        limits[group] = (lo, hi)
+    return limits
+
+
 def plot_diagnostics(report: dict[str, Any], path: str | Path, title: str = "") -> Path:
-    """Per-layer x per-head heatmaps of every metric (one panel each), plus Δt when the model has it."""
+    """Per-layer x per-head heatmaps of every metric (one panel each, one colour scale per metric group, see
+    :data:`PANELS`), plus the learned Δt per head when the model has it."""
     import matplotlib  # noqa: PLC0415
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
     layers = report["layers"]
-    panels = [(k, "heads") for k in ATTN_METRICS if k in layers[0]["heads"][0]]
-    panels += [(k, "qk_heads") for k in ("q_norm_before", "q_norm_after", "k_norm_before", "k_norm_after",
-                                         "qk_cos_before", "qk_cos_after")]
+    panels = [(k, f, g) for k, f, g in PANELS if k in layers[0][f][0]]
+    grids = {k: _grid(layers, k, f) for k, f, _ in panels}
+    limits = colour_limits(grids, {k: g for k, _, g in panels})
     has_dt = any(lay["dt"] for lay in layers)
     n = len(panels) + (1 if has_dt else 0)
     cols = 4
     rows = math.ceil(n / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 2.6 * rows), squeeze=False)
-    for ax, (key, field) in zip(axes.flat, panels):
-        g = _grid(layers, key, field)
-        im = ax.imshow(g, aspect="auto", cmap="viridis")
+    for ax, (key, _, group) in zip(axes.flat, panels):
+        g = grids[key]
+        vmin, vmax = limits[group]
+        cmap = plt.get_cmap(GROUP_CMAPS.get(group, "viridis"))
+        im = ax.imshow(g, aspect="auto", cmap=cmap, vmin=vmin, vmax=vmax)
         for (i, h), v in np.ndenumerate(g):
             if np.isfinite(v):
-                ax.text(h, i, f"{v:.2f}", ha="center", va="center", fontsize=6, color="w")
+                r, gr, b, _ = cmap((v - vmin) / (vmax - vmin))
+                dark = 0.299 * r + 0.587 * gr + 0.114 * b < 0.5  # white text on dark cells, black on light ones
+                ax.text(h, i, f"{v:.2f}", ha="center", va="center", fontsize=6, color="w" if dark else "k")
         ax.set_title(key, fontsize=8)
         ax.set_xlabel("head", fontsize=7)
         ax.set_ylabel("layer", fontsize=7)
         ax.set_xticks(range(g.shape[1]))
         ax.set_yticks(range(g.shape[0]))
         ax.tick_params(labelsize=6)
-        fig.colorbar(im, ax=ax, fraction=0.046)
+        fig.colorbar(im, ax=ax, fraction=0.046).ax.tick_params(labelsize=6)
     used = len(panels)
     if has_dt:
         ax = axes.flat[used]
         dt = np.array([lay["dt"] or [np.nan] for lay in layers], dtype=float)
-        for i, row in enumerate(dt):
-            ax.bar(np.arange(len(row)) + i * (0.8 / len(dt)), row, width=0.8 / len(dt), label=f"layer {i}")
+        width = 0.8 / len(dt)
+        for i, row in enumerate(dt):  # one bar per layer, grouped around each head's tick
+            ax.bar(np.arange(len(row)) + (i - (len(dt) - 1) / 2) * width, row, width=width, label=f"layer {i}")
         ax.set_title("learned Δt per head", fontsize=8)
         ax.set_xlabel("head", fontsize=7)
+        ax.set_xticks(range(dt.shape[1]))
+        top = np.nanmax(np.abs(dt)) if np.isfinite(dt).any() else 1.0
+        ax.set_ylim(min(0.0, float(np.nanmin(dt)) * 1.1), 1.35 * top)  # headroom for the legend
+        ax.axhline(0.0, color="k", lw=0.5)
         ax.tick_params(labelsize=6)
-        ax.legend(fontsize=5)
+        ax.legend(fontsize=5, ncol=min(len(dt), 4), loc="upper center")
         used += 1
     for ax in list(axes.flat)[used:]:
         ax.axis("off")
@@ -152,21 +196,28 @@ def plot_diagnostics(report: dict[str, Any], path: str | Path, title: str = "") 
 
 
 def diagnostics_report(model: Any, tokens: Any, out_dir: str | Path | None = None, name: str = "diagnostics",
-                       mask: Any | None = None) -> dict[str, Any]:
-    """Compute the diagnostics and, with ``out_dir``, write ``NAME.json`` and ``NAME.png`` there."""
-    report = compute_diagnostics(model, tokens, mask=mask)
+                       mask: Any | None = None, extra: dict[str, Any] | None = None, title: str = "") -> dict[str, Any]:
+    """Compute the diagnostics (plus the ``extra`` provenance fields) and, with ``out_dir``, write ``NAME.json``
+    and ``NAME.png`` there."""
+    report = {**compute_diagnostics(model, tokens, mask=mask), **(extra or {})}
     if out_dir is not None:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         (out / f"{name}.json").write_text(json.dumps(report, indent=1))
-        plot_diagnostics(report, out / f"{name}.png")
+        plot_diagnostics(report, out / f"{name}.png", title=title)
     return report
+
+
+def report_name(split: str, step: int) -> str:
+    """``diagnostics_<split>_step<step>``: one pair of files per split and checkpoint, so none overwrites another."""
+    return f"diagnostics_{split}_step{int(step)}"
 
 
 def report_from_checkpoint(cfg: Any, workdir: str, split: str = "validation", windows: int = 8,
                            out_dir: str | Path | None = None) -> dict[str, Any]:
     """Diagnostics of the latest checkpoint in ``workdir`` (a train.py run) on the first ``windows`` full windows
-    of ``split``; writes ``diagnostics.json`` and ``diagnostics.png`` to ``out_dir`` (default ``workdir``).
+    of ``split``; writes ``diagnostics_<split>_step<step>.{json,png}`` (:func:`report_name`) to ``out_dir``
+    (default ``workdir``). The report carries ``checkpoint_step``, ``split`` and ``files`` (the two paths).
 
     This is what ``eval.py --diagnostics`` calls. The checkpoint is restored exactly as eval.py's evaluation
     restores it (``training.loop.restore_latest``), then gathered to the host: the diagnostics
@@ -186,9 +237,11 @@ def report_from_checkpoint(cfg: Any, workdir: str, split: str = "validation", wi
     tokens = batch["inputs"][(batch["targets"] != -100).all(axis=1)]
     if len(tokens) == 0:
         raise ValueError(f"the {split} split has no full window of {seq_len} tokens")
-    report = diagnostics_report(model, tokens, out_dir=out_dir or workdir, name="diagnostics")
-    # rewrite the JSON with the provenance fields added
-    report["checkpoint_step"] = int(s.latest)
-    report["split"] = split
-    (Path(out_dir or workdir) / "diagnostics.json").write_text(json.dumps(report, indent=1))
-    return report
+    step = int(state["step"])
+    out = Path(out_dir or workdir)
+    name = report_name(split, step)
+    files = {"json": str(out / f"{name}.json"), "png": str(out / f"{name}.png")}
+    return diagnostics_report(model, tokens, out_dir=out, name=name,
+                              extra={"checkpoint_step": step, "split": split, "files": files},
+                              title=f"attention diagnostics: {s.mcfg.variant}, {split} split, step {step} "
+                                    f"({len(tokens)} windows of {seq_len} tokens)")

@@ -108,7 +108,12 @@ def test_report_from_checkpoint(tmp_path):
     work = str(tmp_path / "run")
     _, state = loop.train(cfg, work, progress=False, return_state=True)
     rep = report_from_checkpoint(cfg, work, "validation", windows=4)
-    assert os.path.isfile(os.path.join(work, "diagnostics.json")) and os.path.isfile(os.path.join(work, "diagnostics.png"))
+    test_rep = report_from_checkpoint(cfg, work, "test", windows=4)
+    # one pair of files per split and step: the second split does not overwrite the first
+    for split, r in (("validation", rep), ("test", test_rep)):
+        assert r["files"] == {ext: os.path.join(work, f"diagnostics_{split}_step2.{ext}") for ext in ("json", "png")}
+        assert all(os.path.isfile(f) for f in r["files"].values())
+        assert json.loads(open(r["files"]["json"]).read())["split"] == split
     assert rep["checkpoint_step"] == 2 and len(rep["layers"]) == 2
     # independent reference: the same windows through the in-memory trained params
     from flax import nnx
@@ -123,3 +128,21 @@ def test_report_from_checkpoint(tmp_path):
     ref = compute_diagnostics(nnx.merge(graphdef, params), b["inputs"][(b["targets"] != -100).all(axis=1)])
     for k, v in ref["model_mean"].items():
         assert rep["model_mean"][k] == pytest.approx(v, rel=1e-5, abs=1e-6), k
+
+
+def test_colour_scale_is_one_per_metric_group():
+    """Hand-made grids: bounded groups keep their natural bounds (widened only by data outside them), related
+    panels share the min..max of all their values, and a constant group gets a visible range."""
+    from coupled_qk_jax.diagnostics_report import PANELS, colour_limits
+
+    grids = {"sink_mass": np.array([[0.1, 0.2]]), "induction_mass": np.array([[0.3, np.nan]]),
+             "q_norm_before": np.array([[2.0, 3.0]]), "k_norm_after": np.array([[1.5, 7.0]]),
+             "qk_cos_after": np.array([[-1.2, 0.5]]), "k_rel_change": np.array([[0.0, 0.0]])}
+    groups = {k: g for k, _, g in PANELS if k in grids}
+    lim = colour_limits(grids, groups)
+    assert lim["unit"] == (0.0, 1.0)
+    assert lim["norm"] == (1.5, 7.0)  # q and k norms on one scale
+    assert lim["cos"] == (-1.2, 1.0)  # differential attention can leave the natural bounds: widened, not clipped
+    assert lim["change"] == (-0.5, 0.5)
+    assert {g for k, _, g in PANELS if k in ("q_norm_before", "q_norm_after", "k_norm_before", "k_norm_after")} == {
+        "norm"}
