@@ -1,6 +1,12 @@
 """The README's main job: train `standard` and `coupled_euler` at `tiny` scale on the `stdlib` corpus, then compare.
 
     python -m coupled_qk_jax.main_job [--workdir runs/main_job] [--steps 300] [--variants standard,coupled_euler]
+                                      [--corpus text_dir:DIR] [--split_fractions 0.8,0.1,0.1] [--vocab_size N]
+
+`--corpus` takes any corpus string of docs/data.md (a text folder, WikiText-103, an `hf:` dataset, a mixture), so
+the same comparison runs on your own text; `--split_fractions` sets the train/validation/test shares of a file
+corpus (a small folder needs larger held-out shares than the default 0.98/0.01/0.01), and `--vocab_size` the BPE's size
+(a corpus of a few hundred kB cannot fill the default 2048).
 
 Each variant is an ordinary train.py run (same loop, checkpoints and summary.json) in WORKDIR/<variant>; both share
 one token cache, so the 2048-token BPE is trained and the corpus tokenised once. Sized for 2 CPU cores: 300 steps of
@@ -18,10 +24,15 @@ import sys
 import time
 
 
-def build_config(variant: str, steps: int, cache_dir: str | None):
+def build_config(variant: str, steps: int, cache_dir: str | None, corpus: str = "stdlib",
+                 split_fractions: str = "", vocab_size: int = 0):
     from configs.lm import get_config
 
     cfg = get_config(f"{variant},tiny")
+    cfg.data.corpus = corpus
+    cfg.data.split_fractions = split_fractions
+    if vocab_size:
+        cfg.model.vocab_size = vocab_size
     cfg.train.steps = steps
     cfg.train.warmup_steps = max(1, steps // 10)
     cfg.train.log_every = 10
@@ -32,7 +43,7 @@ def build_config(variant: str, steps: int, cache_dir: str | None):
     return cfg
 
 
-def plot(runs: dict[str, list[dict]], path: str) -> None:
+def plot(runs: dict[str, list[dict]], path: str, corpus: str = "stdlib", vocab: int = 2048) -> None:
     import matplotlib
 
     matplotlib.use("Agg")  # no display on a server
@@ -47,7 +58,8 @@ def plot(runs: dict[str, list[dict]], path: str) -> None:
             ax.plot(*zip(*val), "o", color=line.get_color(), label=f"{variant} (validation)")
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy (nats / token)")
-    ax.set_title("tiny LM on the Python stdlib (2048-token BPE)")
+    ax.set_title(("tiny LM on the Python stdlib" if corpus == "stdlib" else f"tiny LM on {corpus}")
+                 + f" ({vocab}-token BPE)", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -61,6 +73,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--variants", default="standard,coupled_euler")
     ap.add_argument("--cache_dir", default=None, help="token cache root (default: configs/lm.py's data.cache_dir)")
+    ap.add_argument("--corpus", default="stdlib", help="corpus string (docs/data.md), e.g. text_dir:DIR")
+    ap.add_argument("--split_fractions", default="", help="train,validation,test shares of a file corpus, e.g. "
+                    "0.8,0.1,0.1 (default 0.98,0.01,0.01)")
+    ap.add_argument("--vocab_size", type=int, default=0, help="BPE / model vocabulary (default: the tiny scale's "
+                    "2048); a small corpus may need fewer")
     args = ap.parse_args(argv)
     # The repository root on the path, so that `configs/` imports when run as `python -m coupled_qk_jax.main_job`.
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -77,10 +94,11 @@ def main(argv: list[str] | None = None) -> int:
 
     def run_all() -> None:
         for variant in args.variants.split(","):
-            print(f"== {variant}, tiny, stdlib, {args.steps} steps -> {os.path.join(args.workdir, variant)}",
+            print(f"== {variant}, tiny, {args.corpus}, {args.steps} steps -> {os.path.join(args.workdir, variant)}",
                   flush=True)
-            summaries[variant] = loop.train(build_config(variant, args.steps, args.cache_dir),
-                                            os.path.join(workdir, variant))
+            cfg = build_config(variant, args.steps, args.cache_dir, args.corpus, args.split_fractions,
+                               args.vocab_size)
+            summaries[variant] = loop.train(cfg, os.path.join(workdir, variant))
             if summaries[variant]["status"] != "completed":
                 return
 
@@ -105,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
         if i == 0:
             print("  ".join("-" * w for w in widths))
     png = os.path.join(workdir, "loss_curves.png")
-    plot({v: read_metrics(os.path.join(workdir, v)) for v in summaries}, png)
+    plot({v: read_metrics(os.path.join(workdir, v)) for v in summaries}, png, args.corpus,
+         args.vocab_size or build_config("standard", 1, None).model.vocab_size)
     write_json_atomic(os.path.join(workdir, "results.json"),
                       {"runs": json.loads(json.dumps(summaries, default=str)), "wall_seconds": time.time() - t0})
     print(f"\nloss curves: {os.path.join(args.workdir, 'loss_curves.png')}   total {time.time() - t0:.0f} s")
