@@ -1,44 +1,72 @@
 """Train a language model: `python train.py --config=configs/lm.py:VARIANT,SCALE --workdir=DIR [--config.x=y ...]`.
 
-Resumes from the latest checkpoint in DIR by itself. Writes DIR/checkpoints/, DIR/metrics.jsonl, DIR/tb/ (TensorBoard)
-and DIR/summary.json. See docs/training.md.
+Resumes from the newest intact checkpoint in DIR by itself, after checking that the config, data and tokenizer are
+the run's own (a field that may change on resume must be named, e.g. --allow_change=train.steps). Writes
+DIR/config.json, DIR/data.json, DIR/tokenizer.json, DIR/checkpoints/, DIR/metrics.jsonl, DIR/history.jsonl,
+DIR/tb/ and DIR/summary.json. SIGINT (Ctrl-C) and SIGTERM finish the step, save and exit 130 / 143.
+`--print_config` prints every config field with its resolved value and exits. See docs/training.md.
 """
 
 from __future__ import annotations
 
+import sys
 
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from coupled_qk_jax.config import ALL_VARIANTS
+from coupled_qk_jax.training import cli
+
+try:  # the scales of configs/lm.py, for --help (train.py runs from the repository root)
+    from configs.lm import SCALES as _SCALES
+except ImportError:  # pragma: no cover - run from elsewhere
+    _SCALES = {}
+
+__doc__ += f"""
+VARIANT: {', '.join(ALL_VARIANTS)}
+SCALE:   {', '.join(_SCALES)}
+"""
+
 config_flags.DEFINE_config_file("config", None, "Config file and argument, e.g. configs/lm.py:coupled_euler,tiny.",
                                 lock_config=True)
-flags.DEFINE_string("workdir", None, "Run directory: checkpoints, logs, summary.json. Reused to resume.")
-flags.mark_flags_as_required(["config", "workdir"])
+flags.DEFINE_string("workdir", None, "Run directory: config, data fingerprint, tokenizer, checkpoints, logs. "
+                    "Reused to resume.")
+flags.DEFINE_bool("print_config", False, "Print the resolved config (every field, defaults included) as JSON "
+                  "and exit.")
+flags.mark_flags_as_required(["config"])
 FLAGS = flags.FLAGS
 
 
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    if FLAGS.print_config:
+        print(cli.config_json(FLAGS.config))
+        sys.exit(0)
+    if not FLAGS.workdir:
+        cli.fail("--workdir is required (the run directory, e.g. --workdir=runs/my_run)")
     logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
     # Join a multi-process run (TPU pod, GPU/CPU cluster) before anything touches a device; a no-op otherwise.
     from coupled_qk_jax.distributed import initialize_distributed
 
     initialize_distributed()
-    # Imported after flag parsing so that `--help` and flag errors stay fast.
-    from coupled_qk_jax.training import cli, loop
+    from coupled_qk_jax.training import loop  # imported after flag parsing: --help and flag errors stay fast
 
-    loop.install_sigterm_handler()
-    code = cli.run_guarded(lambda: _train(loop))
+    loop.install_stop_handlers()
+    result: dict = {}
+    code = cli.run_guarded(lambda: result.update(_train(loop)))
+    if code == 0 and result.get("status") == "interrupted":
+        code = 128 + int(result["signal_number"])
     cli.exit_process(code)
 
 
-def _train(loop) -> None:
+def _train(loop) -> dict:
     summary = loop.train(FLAGS.config, FLAGS.workdir)
     val = f"{summary['val_ppl']:.3f}" if summary["val_ppl"] is not None else "n/a"
     print(f"{summary['status']} at step {summary['step']}: train_loss {summary['train_loss']:.4f}, val_ppl {val}, "
           f"summary in {FLAGS.workdir}/summary.json", flush=True)
+    return summary
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=cli.parse_flags)

@@ -21,6 +21,9 @@ from __future__ import annotations
 
 import ml_collections
 
+from coupled_qk_jax.config import ALL_VARIANTS
+from coupled_qk_jax.errors import UserError, did_you_mean
+
 SCALES = {
     #         d_model layers heads d_ff  vocab  max_len batch lr
     "tiny": (128, 4, 4, 512, 2048, 256, 16, 3e-3),
@@ -35,7 +38,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     variant, _, scale = (arg or "standard,tiny").partition(",")
     scale = scale or "tiny"
     if scale not in SCALES:
-        raise ValueError(f"config arg: unknown scale {scale!r}; expected one of {sorted(SCALES)}")
+        raise UserError(f"configs/lm.py: unknown scale {scale!r}{did_you_mean(scale, SCALES)}; expected one of "
+                        f"{', '.join(SCALES)}")
+    if variant not in ALL_VARIANTS:
+        raise UserError(f"configs/lm.py: unknown variant {variant!r}{did_you_mean(variant, ALL_VARIANTS)}; expected "
+                        f"one of {', '.join(ALL_VARIANTS)}")
     d_model, n_layers, n_heads, d_ff, vocab, max_len, batch, lr = SCALES[scale]
     head_dim = d_model // n_heads
 
@@ -107,7 +114,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     ))
 
     cfg.checkpoint = ml_collections.ConfigDict(dict(
-        every=250,  # save every N steps (and always at the end, on SIGTERM)
+        every=250,  # save every N steps (and always at the end, on SIGINT/SIGTERM)
+        every_seconds=600,  # also save when this many seconds passed since the last save (0 = off)
         keep_last=2,  # keep the latest k checkpoints
         keep_every=0,  # also keep every N-th step permanently (0 = off)
         async_save=True,

@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
             if summaries[variant]["status"] != "completed":
                 return
 
-    loop.install_sigterm_handler()
+    loop.install_stop_handlers()
     code = cli.run_guarded(run_all)
     if code:
         return code

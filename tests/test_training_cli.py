@@ -91,10 +91,10 @@ def test_sigterm_saves_exits_zero_and_resumes(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 0, err[-2000:]
+    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]  # 143: interrupted, saved, resumable
     summary = json.loads((workdir / "summary.json").read_text())
     reached = summary["step"]
-    assert summary["status"] == "preempted" and reached >= 3
+    assert summary["status"] == "interrupted" and summary["signal"] == "SIGTERM" and reached >= 3
     assert summary["checkpoint_step"] == reached
     assert str(reached) in os.listdir(workdir / "checkpoints")
 
@@ -145,3 +145,51 @@ def test_sigkill_mid_run_resumes_from_last_completed_checkpoint(tmp_path):
     assert "resuming" in out.stdout
     summary = json.loads((workdir / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["step"] == done[-1] + 2
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Errors: a user's mistake is one line and exit 2; a bug keeps its traceback.
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--config=configs/lm.py:standard,tiny", "--config.model.n_stepz=3"],
+     'error: unknown config field --config.model.n_stepz (did you mean "model.n_steps"?)'),
+    (["--config=configs/lm.py:standard,tyni"], "error: configs/lm.py: unknown scale 'tyni'"),
+    (["--config=configs/lm.py:standrd,tiny"], "error: configs/lm.py: unknown variant 'standrd' (did you mean"),
+    (["--config=configs/lm.py:standard,tiny", "--config.train.steps=abc"], "error: flag --config.train.steps=abc"),
+])
+def test_cli_config_mistakes_are_one_line(tmp_path, args, expected):
+    out = _run(["train.py", f"--workdir={tmp_path / 'run'}", *args], timeout=60)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(expected), lines
+    assert not (tmp_path / "run").exists()
+
+
+def test_print_config_lists_every_field_and_exits(tmp_path):
+    out = _run(["train.py", "--config=configs/lm.py:coupled_euler,small", "--config.train.steps=7", "--print_config"],
+               timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    printed = json.loads(out.stdout)
+    assert printed["train"]["steps"] == 7 and printed["model"]["d_model"] == 256  # override and scale applied
+    assert printed["model"]["variant"] == "coupled_euler" and printed["checkpoint"]["every_seconds"] == 600
+    help_text = _run(["train.py", "--help"], timeout=60).stdout
+    assert "coupled_euler+differential" in help_text and "350m" in help_text
+
+
+def test_run_guarded_maps_user_errors_and_keeps_bugs(capsys):
+    from coupled_qk_jax.errors import UserError
+    from coupled_qk_jax.training import cli
+
+    def user_mistake():
+        raise UserError("data.seq_len=64 exceeds model.max_len=32")
+
+    assert cli.run_guarded(user_mistake) == cli.EXIT_USER_ERROR
+    assert capsys.readouterr().err == "error: data.seq_len=64 exceeds model.max_len=32\n"
+
+    def bug():
+        raise ValueError("Incompatible shapes for broadcasting: (3,) and (4,)")  # e.g. a JAX shape error
+
+    with pytest.raises(ValueError, match="Incompatible shapes"):  # not turned into an error line: traceback kept
+        cli.run_guarded(bug)

@@ -33,6 +33,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from coupled_qk_jax.errors import UserError
+
 logger = logging.getLogger(__name__)
 
 SPLITS: tuple[str, ...] = ("train", "validation", "test")
@@ -45,7 +47,7 @@ WIKITEXT_FILES: dict[str, str] = {"train": "wiki.train.raw", "validation": "wiki
 KINDS: tuple[str, ...] = ("stdlib", "text_dir", "wikitext103", "hf", "mixture")
 
 
-class CorpusError(ValueError):
+class CorpusError(UserError):
     """A corpus cannot be read as asked (missing or empty directory, unknown kind, bad split...). One-line message."""
 
 

@@ -22,7 +22,14 @@ from orbax.checkpoint import checkpoint_managers as policies
 
 import grain
 
+from coupled_qk_jax.errors import UserError
+
 ITEMS = ("state", "data", "config")
+
+
+class CheckpointSaveError(RuntimeError):
+    """Writing a checkpoint failed (disk full, permissions...): the run stops; the message names the cause and
+    the last good checkpoint."""
 
 
 class Checkpointer:
@@ -40,9 +47,9 @@ class Checkpointer:
     def __init__(self, directory: str | os.PathLike[str], keep_last: int = 2, keep_every: int = 0,
                  async_save: bool = True) -> None:
         if keep_last < 1:
-            raise ValueError(f"checkpoint.keep_last must be >= 1, got {keep_last}")
+            raise UserError(f"checkpoint.keep_last must be >= 1, got {keep_last}")
         if keep_every < 0:
-            raise ValueError(f"checkpoint.keep_every must be >= 0, got {keep_every}")
+            raise UserError(f"checkpoint.keep_every must be >= 0, got {keep_every}")
         self.directory = os.path.abspath(os.path.expanduser(os.fspath(directory)))
         keep: list[Any] = [policies.LatestN(n=keep_last)]
         if keep_every:

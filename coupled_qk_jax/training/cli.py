@@ -1,40 +1,136 @@
-"""Shared command-line plumbing for train.py and eval.py: absl flags, ml_collections config files, one-line errors.
+"""Shared command-line plumbing for train.py and eval.py: flag parsing, config checks, one-line errors, exit statuses.
 
-Bad input is reported as ``error: <one line>`` on stderr with exit status 2 (no traceback); a non-finite loss exits
-with status 3 after keeping the last good checkpoint; SIGTERM exits 0 after saving.
+Exit statuses (docs/training.md):
+
+    0    completed (or stopped at train.stop_after)
+    1    a bug: an unexpected exception, printed with its full traceback
+    2    a user mistake (:class:`UserError`): one line ``error: ...`` on stderr, no traceback
+    3    a non-finite loss; the last good checkpoint is kept
+    4    a checkpoint could not be written (disk full, permissions); the last good checkpoint is kept
+    130  interrupted by SIGINT (Ctrl-C), 143 by SIGTERM: the step was finished, saved and summarised; rerun the
+         same command to resume
+
+Nothing here imports JAX, so ``--help``, ``--print_config`` and flag errors stay fast.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
 import sys
-from typing import Callable
+from typing import Any, Callable
 
-from coupled_qk_jax.training.loop import NonFiniteLossError
+from absl import flags
 
-EXIT_BAD_INPUT = 2
+from coupled_qk_jax.errors import UserError, did_you_mean
+
+EXIT_USER_ERROR = 2
 EXIT_NONFINITE = 3
+EXIT_SAVE_FAILED = 4
+
+
+def fail(message: str) -> None:
+    """Print ``error: message`` (its first line) and exit 2, skipping interpreter shutdown (see exit_process)."""
+    line = message.strip().splitlines()[0] if message.strip() else "unknown error"
+    print(f"error: {line}", file=sys.stderr, flush=True)
+    exit_process(EXIT_USER_ERROR)
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+    """absl ``flags_parser`` for ``app.run``: flag and config mistakes become one ``error:`` line and exit 2.
+
+    ``--config.FIELD=VALUE`` overrides are checked against the loaded config first, so a typo names the closest
+    field instead of raising from inside ml_collections."""
+    try:
+        check_config_overrides(argv)
+        return flags.FLAGS(argv)
+    except UserError as e:
+        fail(str(e))
+    except flags.Error as e:
+        fail(str(e))
+    raise AssertionError("unreachable")
+
+
+def _flag_value(argv: list[str], name: str) -> str | None:
+    for i, arg in enumerate(argv):
+        if arg.startswith(f"--{name}="):
+            return arg.split("=", 1)[1]
+        if arg == f"--{name}" and i + 1 < len(argv):
+            return argv[i + 1]
+    return None
+
+
+def load_config_file(spec: str) -> Any:
+    """``path/to/config.py[:ARG]`` -> ``get_config(ARG)``, as ml_collections' config_flags loads it."""
+    path, _, arg = spec.partition(":")
+    if not os.path.isfile(path):
+        raise UserError(f"--config: no config file {path!r}; e.g. --config=configs/lm.py:coupled_euler,tiny")
+    module_spec = importlib.util.spec_from_file_location("_checked_config", path)
+    assert module_spec is not None and module_spec.loader is not None
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module.get_config(arg) if arg else module.get_config()
+
+
+def config_fields(cfg: Any, prefix: str = "") -> list[str]:
+    """Dotted names of every leaf field of a ConfigDict (``model.n_steps``, ...)."""
+    out: list[str] = []
+    for key in cfg.keys():
+        value = cfg[key]
+        name = f"{prefix}{key}"
+        if hasattr(value, "keys") and not isinstance(value, (str, bytes)):
+            out.extend(config_fields(value, name + "."))
+        else:
+            out.append(name)
+    return out
+
+
+def check_config_overrides(argv: list[str]) -> None:
+    """Load ``--config`` once up front (a bad scale or variant is a UserError from get_config) and refuse
+    ``--config.FIELD=...`` for a FIELD the config does not have, naming the closest one."""
+    spec = _flag_value(argv[1:], "config")
+    if spec is None:
+        return
+    known = config_fields(load_config_file(spec))
+    overrides = [a[len("--config."):].split("=", 1)[0] for a in argv[1:] if a.startswith("--config.")]
+    for name in overrides:
+        if name not in known:
+            raise UserError(f"unknown config field --config.{name}{did_you_mean(name, known)}; --print_config "
+                            f"lists every field with its default")
+
+
+def config_json(cfg: Any) -> str:
+    """The resolved config (every field, defaults included) as indented JSON: what --print_config prints and what
+    the run directory's config.json holds."""
+    return json.dumps(cfg.to_dict(), indent=2, sort_keys=True, default=str)
 
 
 def run_guarded(fn: Callable[[], object]) -> int:
-    """Run ``fn``; turn the errors a user can cause into one line on stderr and an exit status."""
+    """Run ``fn``; map the failures a user can act on to one line on stderr and an exit status. Anything else
+    propagates with its traceback (exit 1)."""
+    from coupled_qk_jax.training.checkpoint import CheckpointSaveError  # noqa: PLC0415 - imports JAX
+    from coupled_qk_jax.training.loop import NonFiniteLossError  # noqa: PLC0415
+
     try:
         fn()
+    except UserError as e:
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else "unknown error"
+        print(f"error: {msg}", file=sys.stderr, flush=True)
+        return EXIT_USER_ERROR
     except NonFiniteLossError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return EXIT_NONFINITE
-    except (ValueError, FileNotFoundError, NotADirectoryError, KeyError) as e:
-        # ValueError covers CorpusError (data layer) and the config / checkpoint checks; the message is one line.
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        print(f"error: {msg}", file=sys.stderr, flush=True)
-        return EXIT_BAD_INPUT
+    except CheckpointSaveError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return EXIT_SAVE_FAILED
     return 0
 
 
 def exit_process(code: int) -> None:
-    """Exit with ``code``. After a bad-input error nothing was trained or is being saved, so skip interpreter
-    shutdown: orbax's idle background threads can otherwise print a traceback after the one-line error."""
-    if code == EXIT_BAD_INPUT:
+    """Exit with ``code``. After a user error or a failed save nothing is being trained or saved, so skip
+    interpreter shutdown: orbax's idle background threads can otherwise print a traceback after the one line."""
+    if code in (EXIT_USER_ERROR, EXIT_SAVE_FAILED):
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

@@ -15,7 +15,6 @@ import dataclasses
 import math
 import os
 import signal
-import threading
 import time
 from typing import Any
 
@@ -31,6 +30,7 @@ from coupled_qk_jax.config import ModelConfig
 from coupled_qk_jax.data.corpora import CorpusSpec
 from coupled_qk_jax.data.pipeline import make_train_iterator
 from coupled_qk_jax.data.token_cache import TokenCache, build_token_cache
+from coupled_qk_jax.errors import UserError
 from coupled_qk_jax.model import TransformerLM
 from coupled_qk_jax.training import optimizer as opt_lib
 from coupled_qk_jax.training.checkpoint import Checkpointer, abstract_target
@@ -38,25 +38,31 @@ from coupled_qk_jax.training.evaluate import evaluate_tokens, make_sharded_eval_
 from coupled_qk_jax.training.steps import init_train_state, make_train_step, split_model
 from coupled_qk_jax.training.writers import MetricsWriter, read_metrics, write_json_atomic
 
-# Set by the SIGTERM handler; the loop checks it at every step boundary, saves and returns.
-_STOP_REQUESTED = threading.Event()
+# Set by the SIGINT/SIGTERM handler (to the signal's number); the loop checks it at every step boundary, saves,
+# writes the summary and returns with status "interrupted".
+_STOP_SIGNAL: list[int] = []
 
 
 class NonFiniteLossError(RuntimeError):
     """The loss or the gradient norm became NaN/inf; the message names the step and the last good checkpoint."""
 
 
-def install_sigterm_handler() -> None:
-    """SIGTERM (preemption, `kill`) -> finish the current step, save a checkpoint, exit 0. Main thread only.
+def install_stop_handlers() -> None:
+    """SIGINT (Ctrl-C) and SIGTERM (preemption, `kill`) -> finish the current step, save a checkpoint, write the
+    summary; train.py then exits 128 + the signal number (130, 143). A second signal while saving is ignored, so
+    a repeated Ctrl-C cannot tear the save. Main thread only.
 
     Single-process runs only: under jax.distributed the preemption service owns SIGTERM and the loop asks orbax's
-    ``reached_preemption`` instead."""
-    if jax.process_count() > 1:
-        return
+    ``reached_preemption`` instead (every process must stop at the same step, or their collective save deadlocks).
+    """
 
     def handler(signum, frame):  # noqa: ARG001 - signal handler signature
-        _STOP_REQUESTED.set()
+        if not _STOP_SIGNAL:
+            _STOP_SIGNAL.append(signum)
 
+    if jax.process_count() > 1:
+        return
+    signal.signal(signal.SIGINT, handler)
     signal.signal(signal.SIGTERM, handler)
 
 
@@ -66,7 +72,11 @@ def install_sigterm_handler() -> None:
 
 
 def model_config(cfg: ml_collections.ConfigDict) -> ModelConfig:
-    return ModelConfig.from_dict(cfg.model.to_dict())
+    """The validated model block; ModelConfig's validation errors are the user's config mistakes."""
+    try:
+        return ModelConfig.from_dict(cfg.model.to_dict())
+    except ValueError as e:  # raised only by ModelConfig's own field checks
+        raise UserError(str(e)) from None
 
 
 def corpus_spec(data_cfg: ml_collections.ConfigDict) -> CorpusSpec:
@@ -77,7 +87,7 @@ def corpus_spec(data_cfg: ml_collections.ConfigDict) -> CorpusSpec:
         try:
             fractions = tuple(float(x) for x in str(data_cfg.split_fractions).split(","))
         except ValueError:
-            raise ValueError(f"data.split_fractions must be 'train,validation,test' numbers, "
+            raise UserError(f"data.split_fractions must be 'train,validation,test' numbers, "
                              f"got {data_cfg.split_fractions!r}") from None
         changes["split_fractions"] = fractions
     if int(data_cfg.get("max_bytes", 0)):
@@ -86,32 +96,34 @@ def corpus_spec(data_cfg: ml_collections.ConfigDict) -> CorpusSpec:
 
 
 def validate(cfg: ml_collections.ConfigDict, mesh_batch_devices: int) -> ModelConfig:
-    """Every check that needs no data or devices beyond the mesh size; ValueError with a one-line message."""
+    """Every check that needs no data or devices beyond the mesh size; UserError with a one-line message."""
     mcfg = model_config(cfg)
     t, b = int(cfg.data.seq_len), int(cfg.train.batch_size)
     if t < 1:
-        raise ValueError(f"data.seq_len must be >= 1, got {t}")
+        raise UserError(f"data.seq_len must be >= 1, got {t}")
     if t > mcfg.max_len:
-        raise ValueError(f"data.seq_len={t} exceeds model.max_len={mcfg.max_len}")
+        raise UserError(f"data.seq_len={t} exceeds model.max_len={mcfg.max_len}")
     if int(cfg.train.steps) < 1:
-        raise ValueError(f"train.steps must be >= 1, got {cfg.train.steps}")
+        raise UserError(f"train.steps must be >= 1, got {cfg.train.steps}")
     accum = int(cfg.train.grad_accum)
     if accum < 1 or b % accum:
-        raise ValueError(f"train.batch_size={b} must be a positive multiple of train.grad_accum={accum}")
+        raise UserError(f"train.batch_size={b} must be a positive multiple of train.grad_accum={accum}")
     if b % jax.process_count():
-        raise ValueError(f"train.batch_size={b} is not divisible by the {jax.process_count()} processes")
+        raise UserError(f"train.batch_size={b} is not divisible by the {jax.process_count()} processes")
     if (b // accum) % mesh_batch_devices:
-        raise ValueError(f"the micro-batch train.batch_size/train.grad_accum={b // accum} is not divisible by the "
+        raise UserError(f"the micro-batch train.batch_size/train.grad_accum={b // accum} is not divisible by the "
                          f"{mesh_batch_devices} data-parallel devices (mesh.data * mesh.fsdp); change the batch "
                          f"size or --config.mesh.data")
     if eval_batch_size(cfg) % mesh_batch_devices:
-        raise ValueError(f"the eval batch size {eval_batch_size(cfg)} is not divisible by the {mesh_batch_devices} "
+        raise UserError(f"the eval batch size {eval_batch_size(cfg)} is not divisible by the {mesh_batch_devices} "
                          f"data-parallel devices; set train.eval_batch_size")
     for name in ("log_every", "eval_every", "eval_batches"):
         if int(cfg.train[name]) < 0:
-            raise ValueError(f"train.{name} must be >= 0, got {cfg.train[name]}")
+            raise UserError(f"train.{name} must be >= 0, got {cfg.train[name]}")
     if int(cfg.checkpoint.every) < 1:
-        raise ValueError(f"checkpoint.every must be >= 1, got {cfg.checkpoint.every}")
+        raise UserError(f"checkpoint.every must be >= 1, got {cfg.checkpoint.every}")
+    if float(cfg.checkpoint.get("every_seconds", 0)) < 0:
+        raise UserError(f"checkpoint.every_seconds must be >= 0 (0 = off), got {cfg.checkpoint.every_seconds}")
     return mcfg
 
 
@@ -125,8 +137,8 @@ def load_data(cfg: ml_collections.ConfigDict, mcfg: ModelConfig) -> TokenCache:
         corpus_spec(cfg.data), os.path.expanduser(str(cfg.data.cache_dir)), tokenizer=str(cfg.data.tokenizer),
         vocab_size=mcfg.vocab_size, tokenizer_path=str(cfg.data.tokenizer_path) or None)
     if cache.vocab_size > mcfg.vocab_size:  # smaller is fine: the model's extra ids are padding, never in the data
-        raise ValueError(f"vocab mismatch: the token cache {cache.directory.name} has vocab {cache.vocab_size}, "
-                         f"more than model.vocab_size {mcfg.vocab_size}")
+        raise UserError(f"vocab mismatch: the token cache {cache.directory.name} has vocab {cache.vocab_size}, "
+                        f"more than model.vocab_size {mcfg.vocab_size}")
     return cache
 
 
@@ -136,7 +148,7 @@ def check_compatible(saved: dict[str, Any], cfg: ml_collections.ConfigDict, work
     diffs = [f"model.{k}: checkpoint {old.get(k)!r} vs config {new.get(k)!r}"
              for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
     if diffs:
-        raise ValueError(f"workdir {workdir} holds a checkpoint (step {step}) of a different model "
+        raise UserError(f"workdir {workdir} holds a checkpoint (step {step}) of a different model "
                          f"({'; '.join(diffs[:3])}{'; ...' if len(diffs) > 3 else ''}); use a new --workdir")
 
 
@@ -169,6 +181,10 @@ class Setup:
 
 
 def setup(cfg: ml_collections.ConfigDict, workdir: str) -> Setup:
+    try:
+        shd.mesh_shape(cfg.mesh)  # the mesh block's own checks (sizes, -1) are the user's config mistakes
+    except ValueError as e:
+        raise UserError(str(e)) from None
     mesh = shd.make_mesh(cfg.mesh)
     mcfg = validate(cfg, mesh.shape["data"] * mesh.shape["fsdp"])
     ck = cfg.checkpoint
@@ -241,8 +257,8 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True
           return_state: bool = False) -> dict[str, Any] | tuple[dict[str, Any], dict]:
     """Train (or resume) the run in ``workdir`` up to ``train.steps`` (or ``train.stop_after``); returns the summary.
 
-    Raises ValueError (bad config / data / incompatible checkpoint) or NonFiniteLossError. Returns early, after a
-    checkpoint, when SIGTERM was received (``summary["status"] == "preempted"``). With ``return_state`` it returns
+    Raises UserError (bad config / data / incompatible checkpoint) or NonFiniteLossError. Returns early, after a
+    checkpoint, when SIGINT or SIGTERM was received (``summary["status"] == "interrupted"``, ``summary["signal"]``). With ``return_state`` it returns
     ``(summary, state)``, the final train state as numpy arrays (for tests).
     """
     t_start = time.time()
@@ -257,7 +273,7 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True
 
     try:
         if s.cache.tokens("validation").shape[0] < 2:  # found now, not after hours of training
-            raise ValueError(f"the validation split of {cfg.data.corpus} is empty; a small directory needs larger "
+            raise UserError(f"the validation split of {cfg.data.corpus} is empty; a small directory needs larger "
                              f"held-out shares, e.g. --config.data.split_fractions=0.8,0.1,0.1")
         # Data: this host's slice of one seeded stream of random windows.
         # Which rows of the global batch this host loads: usually (process_index, process_count), but processes
@@ -291,9 +307,24 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True
                                s.mesh, bos_id=s.cache.eot_id, max_batches=0 if whole else int(cfg.train.eval_batches))
 
     def save(at: int) -> None:
-        nonlocal last_saved
+        nonlocal last_saved, t_saved
         s.checkpointer.save(at, state, data_iter, config_json)
-        last_saved = at
+        last_saved, t_saved = at, time.monotonic()
+
+    every_seconds = float(cfg.checkpoint.get("every_seconds", 0))
+    t_saved = time.monotonic()
+
+    def save_due(now: float) -> bool:
+        """checkpoint.every_seconds elapsed since the last save (or the start). Several processes must agree, or
+        their collective save deadlocks: process 0's clock decides."""
+        if not every_seconds:
+            return False
+        due = now - t_saved >= every_seconds
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils  # noqa: PLC0415
+
+            due = bool(multihost_utils.broadcast_one_to_all(np.asarray(due)))
+        return due
 
     from tqdm import tqdm  # local: only the CLI path needs it
 
@@ -340,19 +371,19 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True
             if eval_every and step % eval_every == 0 and step < stop_at:
                 val = validate_now()
                 writer.write(step, {"val_loss": val["loss"], "val_ppl": val["ppl"], "val_tokens": val["tokens"]})
-            # One process: our SIGTERM flag. Several: orbax's preemption sync (jax.distributed's SIGTERM notice),
-            # which makes every process stop at the same step, so their collective save cannot deadlock.
-            stop_requested = (_STOP_REQUESTED.is_set() if jax.process_count() == 1
+            # One process: our SIGINT/SIGTERM flag. Several: orbax's preemption sync (jax.distributed's SIGTERM
+            # notice), which makes every process stop at the same step, so their collective save cannot deadlock.
+            stop_requested = (bool(_STOP_SIGNAL) if jax.process_count() == 1
                               else s.checkpointer.reached_preemption(step))
-            if step % ckpt_every == 0 or step == stop_at or stop_requested:
+            if step % ckpt_every == 0 or step == stop_at or stop_requested or save_due(time.monotonic()):
                 save(step)
             if stop_requested:
-                status = "preempted"
+                status = "interrupted"
                 break
         bar.close()
         if not log_every or window_n:  # steps since the last log line (or logging off): still report a train loss
             train_loss = window_loss / window_n if window_n else train_loss
-        if status != "preempted":
+        if status != "interrupted":
             val = validate_now(whole=True)
             writer.write(step, {"val_loss": val["loss"], "val_ppl": val["ppl"], "val_tokens": val["tokens"]})
     finally:
@@ -361,7 +392,9 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True
         writer.close()
         s.checkpointer.close()
     train_time = (time.perf_counter() - t_first) if t_first is not None else 0.0
-    summary = {**_summary_base(s, workdir), "status": status, "step": step, "tokens_seen": step * tokens_per_step,
+    interrupted = {"signal": signal.Signals(_STOP_SIGNAL[0]).name, "signal_number": _STOP_SIGNAL[0]} \
+        if status == "interrupted" and _STOP_SIGNAL else {}
+    summary = {**_summary_base(s, workdir), "status": status, **interrupted, "step": step, "tokens_seen": step * tokens_per_step,
                "train_loss": train_loss, "val_loss": val.get("loss"), "val_ppl": val.get("ppl"),
                "val_tokens": val.get("tokens"), "checkpoint_step": last_saved,
                "wall_seconds": round(time.time() - t_start, 3),
@@ -382,7 +415,7 @@ def restore_latest(cfg: ml_collections.ConfigDict, workdir: str) -> tuple[Setup,
     s = setup(cfg, workdir)
     try:
         if s.latest is None:
-            raise ValueError(f"no completed checkpoint in {s.checkpointer.directory}: train first")
+            raise UserError(f"no completed checkpoint in {s.checkpointer.directory}: train first")
         state = s.checkpointer.restore(s.latest, abstract_target(s.abstract_state, s.shardings))
     finally:
         s.checkpointer.close()
@@ -392,11 +425,11 @@ def restore_latest(cfg: ml_collections.ConfigDict, workdir: str) -> tuple[Setup,
 def evaluate_checkpoint(cfg: ml_collections.ConfigDict, workdir: str, split: str = "validation") -> dict[str, Any]:
     """Evaluate the latest checkpoint in ``workdir`` on a whole split; updates summary.json and metrics.jsonl."""
     if split not in ("validation", "test"):
-        raise ValueError(f"--split must be 'validation' or 'test', got {split!r}")
+        raise UserError(f"--split must be 'validation' or 'test', got {split!r}")
     t_start = time.time()
     workdir = os.path.abspath(workdir)
     if not os.path.isdir(os.path.join(workdir, "checkpoints")):
-        raise ValueError(f"no checkpoint in {workdir}: train first (python train.py --workdir={workdir} ...)")
+        raise UserError(f"no checkpoint in {workdir}: train first (python train.py --workdir={workdir} ...)")
     s, state = restore_latest(cfg, workdir)
     eval_step = make_sharded_eval_step(s.graphdef, s.shardings["params"], s.mesh, s.param_transform)
     result = evaluate_tokens(eval_step, state["params"], s.cache.tokens(split), int(cfg.data.seq_len),
@@ -429,12 +462,12 @@ def saved_run_config(workdir: str) -> ml_collections.ConfigDict:
     """The config stored with the latest checkpoint in ``workdir`` (what eval.py uses without --config)."""
     directory = os.path.join(os.path.abspath(workdir), "checkpoints")
     if not os.path.isdir(directory):
-        raise ValueError(f"no checkpoint in {os.path.abspath(workdir)}: train first, or pass --config")
+        raise UserError(f"no checkpoint in {os.path.abspath(workdir)}: train first, or pass --config")
     ck = Checkpointer(directory)
     try:
         step = ck.latest_step()
         if step is None:
-            raise ValueError(f"no completed checkpoint in {directory}")
+            raise UserError(f"no completed checkpoint in {directory}")
         return ml_collections.ConfigDict(ck.saved_config(step))
     finally:
         ck.close()
