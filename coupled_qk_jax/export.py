@@ -36,13 +36,14 @@ from flax import nnx
 
 from coupled_qk_jax.config import ModelConfig
 from coupled_qk_jax.data.tokenizer import BPETokenizer, ByteTokenizer, Tokenizer
+from coupled_qk_jax.errors import UserError
 
 FORMAT = "coupled_qk_jax.export"
 FORMAT_VERSION = 1
 WEIGHTS, CONFIG, TOKENIZER, MANIFEST = "model.safetensors", "config.json", "tokenizer.json", "export.json"
 
 
-class ExportError(ValueError):
+class ExportError(UserError):
     """An export folder cannot be written or read as asked (missing, corrupt, mismatched). One-line message."""
 
 
