@@ -1,22 +1,32 @@
-"""Figure-3 fixed-attention experiment (spec §4): with attention frozen at mass alpha on the distinct tokens, train
-only the OV circuit and measure how the loss L_t(alpha) and its sensitivity depend on alpha.
+"""Figure-3 fixed-attention experiment (spec §4) at the paper's budget, resumable: with attention frozen at mass
+alpha on the distinct tokens, train only the OV circuit and measure how the loss L_t(alpha) and its sensitivity
+depend on alpha.
 
 * Factorised OV ``W_O W_V`` (no bias) vs collapsed ``W_OV`` (with bias), PyTorch-default init, SGD lr 1e-2,
-  class-balanced batches of 4 x 32, seq_len 64, seed 1234; alpha in {0.2, 0.4, 0.6, 0.8, 1.0}, all five alphas
-  trained as one vmapped program on the same data stream (as the reference re-seeds per alpha).
-* After every epoch the trained model is evaluated on a fixed evaluation set (``--eval-batches`` class-balanced
-  batches from RandomState(1234 + 1e6)) at alpha and at alpha + 0.005 (the same trained model, attention
-  perturbed, as in the reference notebook); sensitivity = (L_t(alpha) - L_t(alpha + 0.005)) / 0.005. Using one
-  fixed evaluation set for both terms (the reference draws fresh batches for each) removes sampling noise from
-  the finite difference. alpha + 0.005 > 1 for alpha = 1 is clipped to 1 (sensitivity undefined, reported nan).
+  class-balanced batches of 4 x 32, seq_len 64, seed 1234, 500 epochs x 250 batches; alpha in
+  {0.2, 0.4, 0.6, 0.8, 1.0}, all five alphas trained as one vmapped program on the same data stream (the reference
+  re-seeds torch per alpha, and its numpy data stream is not seeded).
+* Before training and after every epoch the model is evaluated on one fixed evaluation set (``--eval-batches``
+  class-balanced batches from RandomState(1234 + 1e6); the reference draws 1000 fresh batches per evaluation) at
+  alpha and at alpha + 0.005: sensitivity = (L_t(alpha) - L_t(alpha + 0.005)) / 0.005. One fixed set for both
+  terms removes sampling noise from the finite difference. For alpha = 1, alpha + 0.005 is clipped to 1 and the
+  sensitivity is reported nan (the reference plots 0).
+* The fixed attention makes the pooled input linear in alpha, alpha * P_rel + (1 - alpha) * P_rest, with P_rel and
+  P_rest the per-sequence token histograms of the distinct and the other positions; they are computed once, so an
+  evaluation costs two 50 x 50 matmuls per sequence.
 
-Usage: python experiments/qkov_fixed_attention.py --out docs/results/qkov [--epochs 50] [--eval-batches 20]
+Each OV type is a job: checkpointed every ``--ckpt-every`` epochs to ``<work>/fixed_<ov>.npz`` (its evaluation
+history beside it), finished into ``<out>/runs/fixed/<ov>.csv`` (rows ov, alpha, epoch, step, loss,
+loss_alpha_plus, sensitivity) and ``<ov>.json``; a restart skips finished jobs. Tables: experiments/qkov_report.py.
+
+Usage: python experiments/qkov_fixed_attention.py --out docs/results/qkov [--eval-batches 1000]
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import json
 import os
 import sys
 import time
@@ -32,88 +42,115 @@ from coupled_qk_jax.qkov import data as qdata  # noqa: E402
 from coupled_qk_jax.qkov import model as qmodel  # noqa: E402
 from coupled_qk_jax.qkov import train as qtrain  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import qkov_synthetic as synth  # noqa: E402
+
 DA = 0.005
+OV_TYPES = {"factorised": "fafo,fixed", "collapsed": "caco,fixed"}
+
+
+def pooled_parts(tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(P_rel, P_rest) [N, 50] float32: token histograms of the distinct (id > 9) and the other positions of each
+    input row [N, T], each normalised to sum 1; an empty set takes the other's histogram, as fixed_attention does."""
+    n = tokens.shape[0]
+    flat = (np.arange(n)[:, None] * qmodel.D + tokens).ravel()  # row-major (row, token) bins
+    rel = (tokens > 9).ravel()
+    h_rel = np.bincount(flat[rel], minlength=n * qmodel.D).reshape(n, qmodel.D).astype(np.float64)
+    h_rest = np.bincount(flat[~rel], minlength=n * qmodel.D).reshape(n, qmodel.D).astype(np.float64)
+    n_rel, n_rest = h_rel.sum(-1, keepdims=True), h_rest.sum(-1, keepdims=True)
+    p_rel = np.where(n_rel > 0, h_rel / np.maximum(n_rel, 1), h_rest / np.maximum(n_rest, 1))
+    p_rest = np.where(n_rest > 0, h_rest / np.maximum(n_rest, 1), p_rel)
+    return p_rel.astype(np.float32), p_rest.astype(np.float32)
+
+
+def job_paths(out: str, work: str, ov: str) -> dict[str, str]:
+    return {"csv": os.path.join(out, "runs", "fixed", f"{ov}.csv"),
+            "json": os.path.join(out, "runs", "fixed", f"{ov}.json"),
+            "ckpt": os.path.join(work, f"fixed_{ov}.npz"), "hist": os.path.join(work, f"fixed_{ov}_eval.json")}
+
+
+def run_job(ov: str, out: str, work: str, eval_batches: int, ckpt_every: int = 10, log=print) -> None:
+    paths = job_paths(out, work, ov)
+    if os.path.exists(paths["json"]):
+        return
+    os.makedirs(os.path.dirname(paths["csv"]), exist_ok=True)
+    os.makedirs(work, exist_ok=True)
+    cfg = to_train_config(get_config(OV_TYPES[ov]))
+    ev = qdata.generate_batches(np.random.RandomState(cfg.seeds[0] + 1_000_000), eval_batches, cfg.batch_size,
+                                cfg.seq_len, fixed_attention=True)
+    x, y = qdata.split(ev.reshape(-1, cfg.seq_len))
+    p_rel, p_rest = (jnp.asarray(a) for a in pooled_parts(x))
+    y = jnp.asarray(y)
+    alphas = jnp.asarray(cfg.fixed_alpha, jnp.float32)
+
+    def loss_at(params, a):
+        logits = qmodel.readout_pooled(params, a * p_rel + (1.0 - a) * p_rest)
+        return qmodel.cross_entropy(logits, y)
+
+    losses = jax.jit(jax.vmap(loss_at))
+    hist = {}  # epoch -> (losses at alpha, at alpha + DA); kept beside the checkpoint
+    if os.path.exists(paths["ckpt"]) and os.path.exists(paths["hist"]):
+        with open(paths["hist"]) as fh:
+            hist = {int(k): v for k, v in json.load(fh).items()}
+
+    def cb(ep, params):
+        hist[ep] = (np.asarray(losses(params, alphas)).tolist(),
+                    np.asarray(losses(params, jnp.minimum(alphas + DA, 1.0))).tolist())
+        if ep % ckpt_every == 0:
+            tmp = paths["hist"] + ".tmp"
+            with open(tmp, "w") as fh:
+                json.dump(hist, fh)
+            os.replace(tmp, paths["hist"])
+
+    log(f"[fixed {ov}] {cfg.n_epochs} x {cfg.batches_per_epoch} steps of 4x{cfg.batch_size}, alphas {cfg.fixed_alpha}, "
+        f"evaluation on {eval_batches} batches")
+    res = qtrain.train(cfg, log_every=max(1, cfg.n_epochs // 10), log=log, callback=cb, ckpt_path=paths["ckpt"],
+                       ckpt_every=ckpt_every)
+    rows = []
+    for ep in range(cfg.n_epochs + 1):
+        l0, l1 = hist[ep]
+        for i, a in enumerate(cfg.fixed_alpha):
+            sens = (l0[i] - l1[i]) / DA if a + DA <= 1.0 else float("nan")
+            rows.append({"ov": ov, "alpha": a, "epoch": ep, "step": ep * cfg.batches_per_epoch, "loss": l0[i],
+                         "loss_alpha_plus": l1[i], "sensitivity": sens})
+    with open(paths["csv"] + ".tmp", "w", newline="") as fh:
+        w = csv.DictWriter(fh, list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    os.replace(paths["csv"] + ".tmp", paths["csv"])
+    meta = {"ov": ov, "config": OV_TYPES[ov], "train_config": {k: v for k, v in vars(cfg).items()},
+            "eval_batches": eval_batches, "eval_sequences": int(len(y)), "final_loss": dict(
+                zip(map(str, cfg.fixed_alpha), hist[cfg.n_epochs][0])), "job_seconds": res.seconds,
+            "commit": synth.code_commit()}
+    with open(paths["json"] + ".tmp", "w") as fh:
+        json.dump(meta, fh, indent=1)
+    os.replace(paths["json"] + ".tmp", paths["json"])
+    for p in (paths["ckpt"], paths["hist"]):
+        if os.path.exists(p):
+            os.remove(p)
+    log(f"[fixed {ov}] done in {res.seconds:.0f}s; final losses {meta['final_loss']}")
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="docs/results/qkov")
-    ap.add_argument("--epochs", type=int, default=50, help="epochs of 250 batches (paper: 500)")
-    ap.add_argument("--eval-batches", type=int, default=20, help="evaluation batches of 4x32 (paper: 1000, fresh)")
+    ap.add_argument("--work", default="runs/qkov")
+    ap.add_argument("--ov", default="factorised,collapsed", help="comma-separated: factorised, collapsed")
+    ap.add_argument("--eval-batches", type=int, default=1000, help="evaluation batches of 4x32 (paper: 1000, fresh)")
+    ap.add_argument("--ckpt-every", type=int, default=10)
     args = ap.parse_args(argv)
-    if args.epochs < 1:
-        raise ValueError(f"--epochs: must be >= 1, got {args.epochs}")
-    if args.eval_batches < 1:
-        raise ValueError(f"--eval-batches: must be >= 1, got {args.eval_batches}")
-    os.makedirs(args.out, exist_ok=True)
-    command = "python experiments/qkov_fixed_attention.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    rows = []
-    curves = {}
-    for arg, label in (("fafo,fixed", "factorised"), ("caco,fixed", "collapsed")):
-        cfg = to_train_config(get_config(arg), n_epochs=args.epochs)
-        ev = qdata.generate_batches(np.random.RandomState(cfg.seeds[0] + 1_000_000), args.eval_batches,
-                                    cfg.batch_size, cfg.seq_len, fixed_attention=True)
-        ev_x, ev_y = (jnp.asarray(a.reshape(-1, a.shape[-1]) if a.ndim == 3 else a.reshape(-1))
-                      for a in qdata.split(ev))
-        alphas = jnp.asarray(cfg.fixed_alpha, jnp.float32)
-        loss_at = jax.jit(jax.vmap(lambda p, a: qmodel.fixed_attention_loss_fn(p, ev_x, ev_y, a)))
-        hist = []
-
-        def cb(ep, params):
-            l0 = np.asarray(loss_at(params, alphas))
-            l1 = np.asarray(loss_at(params, jnp.minimum(alphas + DA, 1.0)))
-            hist.append((ep, l0, l1))
-
+    ovs = [o.strip() for o in args.ov.split(",")]
+    bad = [o for o in ovs if o not in OV_TYPES]
+    if bad:
+        print(f"error: --ov: unknown {', '.join(bad)}; known: {', '.join(OV_TYPES)}", file=sys.stderr)
+        return 2
+    if args.eval_batches < 1 or args.ckpt_every < 1:
+        print("error: --eval-batches and --ckpt-every must be >= 1", file=sys.stderr)
+        return 2
+    for ov in ovs:
         t0 = time.time()
-        qtrain.train(cfg, callback=cb)
-        secs = time.time() - t0
-        curves[label] = hist
-        for ep, l0, l1 in hist:
-            for i, a in enumerate(cfg.fixed_alpha):
-                sens = (l0[i] - l1[i]) / DA if a + DA <= 1.0 else float("nan")
-                rows.append({"ov": label, "alpha": a, "epoch": ep, "step": ep * cfg.batches_per_epoch,
-                             "loss": float(l0[i]), "loss_alpha_plus": float(l1[i]), "sensitivity": float(sens)})
-        print(f"[{label}] {secs:.0f}s final losses " + ", ".join(
-            f"a={a:g}: {hist[-1][1][i]:.4g}" for i, a in enumerate(cfg.fixed_alpha)), flush=True)
-
-    with open(os.path.join(args.out, "fixed_attention.csv"), "w", newline="") as fh:
-        w = csv.DictWriter(fh, list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-    # Markdown summary: loss and sensitivity at a few epochs.
-    eps = sorted({r["epoch"] for r in rows})
-    show = sorted({eps[0], eps[min(1, len(eps) - 1)], eps[len(eps) // 10], eps[len(eps) // 2], eps[-1]})
-    with open(os.path.join(args.out, "fixed_attention.md"), "w") as fh:
-        fh.write("# Fixed-attention OV experiment (Figure 3, scaled down)\n\n")
-        fh.write(f"Command: `{command}`\n\n")
-        fh.write(f"Loss L_t(alpha) on {args.eval_batches} fixed class-balanced evaluation batches of 4x32 and "
-                 f"sensitivity (L_t(alpha) - L_t(alpha+0.005))/0.005, at epochs {show} (x250 steps).\n\n")
-        fh.write("| OV | alpha | " + " | ".join(f"L @ ep {e}" for e in show) + " | "
-                 + " | ".join(f"sens @ ep {e}" for e in show) + " |\n")
-        fh.write("|" + "---|" * (2 + 2 * len(show)) + "\n")
-        for label in curves:
-            for a in sorted({r["alpha"] for r in rows}):
-                sel = {r["epoch"]: r for r in rows if r["ov"] == label and r["alpha"] == a}
-                fh.write(f"| {label} | {a:g} | " + " | ".join(f"{sel[e]['loss']:.4f}" for e in show) + " | "
-                         + " | ".join(f"{sel[e]['sensitivity']:.3f}" for e in show) + " |\n")
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for ax, label in zip(axes, curves):
-        for a in sorted({r["alpha"] for r in rows}):
-            sel = [r for r in rows if r["ov"] == label and r["alpha"] == a]
-            ax.plot([r["step"] for r in sel], [r["loss"] for r in sel], label=f"alpha={a:g}")
-        ax.set_yscale("log")
-        ax.set_xlabel("step")
-        ax.set_ylabel("L_t(alpha)")
-        ax.set_title(f"{label} OV, fixed attention")
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(os.path.join(args.out, "fixed_attention.png"), dpi=110)
-    plt.close(fig)
+        run_job(ov, args.out, args.work, args.eval_batches, args.ckpt_every, log=lambda m: print(m, flush=True))
+        print(f"[fixed {ov}] {time.time() - t0:.0f}s", flush=True)
     return 0
 
 

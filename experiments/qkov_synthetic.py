@@ -1,26 +1,31 @@
-"""Figure-2 synthetic experiments of the QK/OV learning-rate paper (spec §4), scaled down for CPU.
+"""Figure-2 synthetic experiments of the QK/OV learning-rate paper (spec §4) at the paper's budgets, resumable.
 
-Cells (config arg of configs/qkov.py, epochs used here vs the paper's):
+Cells (config arg of configs/qkov.py; budgets, seeds and the early-stop rule are the paper's, from the config):
 
-row 1, equal LR 1e-2 (seq_len 64):  fafo,1  faco,1  cafo,1  caco,1
-row 2, faster QK:                   fafo,20 (all factors 1e-6 I) with its equal-LR baseline fafo_eye,1;
-                                    fafo,increasing (QK x1 -> x40);
-                                    caco,5 (seq_len 128) with its equal-LR baseline caco128,1; caco,increasing (x1 -> x10)
+row 1, equal LR 1e-2 (seq_len 64):  fafo_r1  faco_r1  cafo_r1  caco_r1
+row 2, faster QK (seq_len 64):      fafo_r20 (all factors 1e-6 I), with its equal-LR baseline fafo_eye_r1 (project)
+row 2, faster QK (seq_len 128):     caco128_r5 (the paper's cell), caco128_r2/r3/r4/r10 (the other rates the notebook
+                                    lists as tried) and the equal-LR baseline caco128_r1 (project)
+learning-rate ramps:                fafo_incr40 (QK x1 -> x40), caco128_incr10 (QK x1 -> x10)
 
-Every cell is trained with the paper's seeds and batches per epoch but fewer epochs (column ``epochs`` vs
-``paper_epochs`` of the output table). Outputs under --out: synthetic.csv / synthetic.md (one row per cell),
-dtap_<cell>.png (DTAP heatmap averaged over seeds), curves_<cell>.csv (per-epoch loss and distinct-token mass),
-mass_curves.png.
+A job trains one cell for a group of seeds as one vmapped program. When it ends, every seed gets its own result
+file ``<out>/runs/<cell>/seed<S>.json`` (test metrics, DTAP percentages, stop epoch, ...) and
+``seed<S>_curves.csv`` (per-epoch training loss, distinct-token mass and circuit norms). A restart skips the seeds
+whose result file exists. Inside a job, the state is checkpointed to ``<work>/<cell>_s<seeds>.npz`` every
+``--ckpt-every`` epochs, so a killed job resumes from its last checkpoint. The tables are written by
+experiments/qkov_report.py.
 
-Usage:  python experiments/qkov_synthetic.py --out docs/results/qkov [--cells fafo_r20,fafo_eye_r1] [--scale 1.0]
+Usage:  python experiments/qkov_synthetic.py --out docs/results/qkov --cells fafo_r20 --seeds first|rest|all
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import json
 import os
+import subprocess
 import sys
 import time
 
@@ -31,32 +36,65 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from configs.qkov import get_config, to_train_config  # noqa: E402
-from coupled_qk_jax.qkov import data as qdata  # noqa: E402
 from coupled_qk_jax.qkov import metrics as qm  # noqa: E402
 from coupled_qk_jax.qkov import model as qmodel  # noqa: E402
 from coupled_qk_jax.qkov import train as qtrain  # noqa: E402
 
-# name -> (config arg, overrides, epochs used here). Paper epochs come from the config.
+# name -> (config arg, overrides of the config's fields)
 CELLS = {
-    "fafo_r1": ("fafo,1", {}, 500),
-    "faco_r1": ("faco,1", {}, 500),
-    "cafo_r1": ("cafo,1", {}, 500),
-    "caco_r1": ("caco,1", {}, 500),
-    "fafo_eye_r1": ("fafo,20", {"qk_ratio": 1.0}, 1000),
-    "fafo_r20": ("fafo,20", {}, 1000),
-    "fafo_incr40": ("fafo,increasing", {}, 1000),
-    "caco128_r1": ("caco,5", {"qk_ratio": 1.0}, 1000),
-    "caco128_r5": ("caco,5", {}, 1000),
-    "caco128_incr10": ("caco,increasing", {}, 1000),
+    "fafo_r1": ("fafo,1", {}),
+    "faco_r1": ("faco,1", {}),
+    "cafo_r1": ("cafo,1", {}),
+    "caco_r1": ("caco,1", {}),
+    "fafo_eye_r1": ("fafo,20", {"qk_ratio": 1.0}),
+    "fafo_r20": ("fafo,20", {}),
+    "caco128_r1": ("caco,5", {"qk_ratio": 1.0}),
+    "caco128_r2": ("caco,2", {}),
+    "caco128_r3": ("caco,3", {}),
+    "caco128_r4": ("caco,4", {}),
+    "caco128_r5": ("caco,5", {}),
+    "caco128_r10": ("caco,10", {}),
+    "fafo_incr40": ("fafo,increasing", {}),
+    "caco128_incr10": ("caco,increasing", {}),
 }
 N_ERASURE = 256  # samples per seed for comprehensiveness / sufficiency
 
 
-def erasure(params_one, tokens: np.ndarray, attn: np.ndarray, targets: np.ndarray, k_frac: float = 0.05):
-    """Mean comprehensiveness / sufficiency of one run (params without run axis) over the given samples.
+def code_commit() -> str:
+    """The checkout's commit (``+dirty`` if tracked files differ from it), recorded in every result file."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--"], cwd=root).returncode != 0
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("+dirty" if dirty else "")
 
-    ŷ is the predicted class (argmax of the full-input probabilities), as in the spec.
-    """
+
+def cell_config(name: str) -> qtrain.TrainConfig:
+    """The cell's TrainConfig with all of the paper's seeds."""
+    arg, overrides = CELLS[name]
+    return to_train_config(get_config(arg), **overrides)
+
+
+def seed_file(out: str, cell: str, seed: int, suffix: str = ".json") -> str:
+    return os.path.join(out, "runs", cell, f"seed{seed}{suffix}")
+
+
+def done_seeds(out: str, cell: str) -> list[int]:
+    return [s for s in cell_config(cell).seeds if os.path.exists(seed_file(out, cell, s))]
+
+
+def _atomic_write(path: str, text: str) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as fh:
+        fh.write(text)
+    os.replace(tmp, path)
+
+
+def erasure(params_one, tokens: np.ndarray, attn: np.ndarray, k_frac: float = 0.05):
+    """Mean comprehensiveness / sufficiency of one run (params without run axis); ŷ is the predicted class."""
     fwd = jax.jit(lambda p, t: jax.nn.softmax(qmodel.forward(p, t)[0], -1))
 
     def prob_fn(seq):
@@ -65,128 +103,109 @@ def erasure(params_one, tokens: np.ndarray, attn: np.ndarray, targets: np.ndarra
     return qm.erasure_scores(prob_fn, list(tokens), list(attn), k_frac)
 
 
-def run_cell(name: str, out_dir: str, scale: float) -> dict:
-    arg, overrides, epochs = CELLS[name]
-    base = get_config(arg)
-    n_ep = max(1, int(round(epochs * scale)))
-    cfg = to_train_config(base, **overrides, n_epochs=n_ep)
-    print(f"[{name}] {arg} {overrides} -> {cfg.n_epochs} x {cfg.batches_per_epoch} batches, seeds {cfg.seeds}",
-          flush=True)
-    res = qtrain.train(cfg, log_every=max(1, n_ep // 5))
+def run_job(cell: str, seeds: tuple[int, ...], out: str, work: str, ckpt_every: int = 10,
+            log=print) -> list[dict]:
+    """Train ``cell`` for ``seeds`` (one vmapped program), evaluate, write one result file per seed."""
+    cfg = dataclasses.replace(cell_config(cell), seeds=tuple(seeds)).validate()
+    arg, overrides = CELLS[cell]
+    os.makedirs(os.path.join(out, "runs", cell), exist_ok=True)
+    os.makedirs(work, exist_ok=True)
+    tag = f"{cell}_s{'-'.join(map(str, seeds))}"
+    ckpt = os.path.join(work, f"{tag}.npz")
+    norms_path = os.path.join(work, f"{tag}_norms.npy")
+    # Circuit norms per epoch: ||QK bilinear form||_F and ||OV matrix||_F, [epochs + 1, R, 2]. Written every epoch so
+    # that a resumed job keeps the history before its checkpoint (epochs after it are recomputed identically).
+    norms = np.full((cfg.n_epochs + 1, len(seeds), 2), np.nan)
+    if os.path.exists(ckpt) and os.path.exists(norms_path):
+        norms = np.load(norms_path)
+    norm_fn = jax.jit(jax.vmap(lambda p: jnp.stack([jnp.linalg.norm(qmodel.qk_matrix(p)),
+                                                    jnp.linalg.norm(qmodel.ov_matrix(p))])))
+
+    def cb(ep, params):
+        norms[ep] = np.asarray(norm_fn(params))
+        if ep % ckpt_every == 0:
+            np.save(norms_path + ".tmp.npy", norms)
+            os.replace(norms_path + ".tmp.npy", norms_path)
+
+    log(f"[{cell}] {arg} {overrides}: {cfg.n_epochs} x {cfg.batches_per_epoch} steps, seeds {seeds}, "
+        f"stop_loss {cfg.stop_loss} every {cfg.stop_check_every} epochs")
+    res = qtrain.train(cfg, log_every=max(1, cfg.n_epochs // 10), log=log, callback=cb, ckpt_path=ckpt,
+                       ckpt_every=ckpt_every)
     ev = qtrain.evaluate(res.params, cfg.seeds, cfg.eval_batches, cfg.batch_size, cfg.seq_len)
-    summ = qtrain.summarise(ev)
-    pct = qm.dtap_percent(ev["mass"], ev["prob"])
-    qm.plot_dtap(pct, os.path.join(out_dir, f"dtap_{name}.png"),
-                 title=f"{name}: {cfg.n_epochs}x{cfg.batches_per_epoch} steps, {len(cfg.seeds)} seed(s)")
-    comp, suff = [], []
-    for i in range(len(cfg.seeds)):
+    rows = []
+    for i, seed in enumerate(seeds):
+        one = {k: v[i:i + 1] for k, v in ev.items()}
         p_i = jax.tree.map(lambda v: v[i], res.params)
-        c, s = erasure(p_i, ev["tokens"][i, :N_ERASURE], ev["attn"][i, :N_ERASURE], None)
-        comp.append(c)
-        suff.append(s)
-    deltas = {}
-    P = res.params
-    if "W_V" in P:
-        deltas["delta_ov"] = float(np.mean([qm.balancedness(P["W_O"][i], P["W_V"][i]) for i in range(len(cfg.seeds))]))
-    if "W_Q" in P:
-        deltas["delta_qk"] = float(np.mean([qm.balancedness(P["W_Q"][i].T, P["W_K"][i])
-                                            for i in range(len(cfg.seeds))]))
-    with open(os.path.join(out_dir, f"curves_{name}.csv"), "w", newline="") as fh:
-        w = csv.writer(fh)
-        w.writerow(["epoch", "step"] + [f"loss_s{s}" for s in cfg.seeds] + [f"mass_s{s}" for s in cfg.seeds])
-        for e in range(res.epoch_loss.shape[1]):
-            w.writerow([e + 1, (e + 1) * cfg.batches_per_epoch] + [f"{v:.6g}" for v in res.epoch_loss[:, e]]
-                       + [f"{v:.6g}" for v in res.epoch_mass[:, e]])
-    row = {
-        "cell": name, "config": arg, "overrides": json.dumps(overrides), "param": cfg.parametrisation,
-        "init": cfg.init, "lr_qk": cfg.lr_ov * cfg.qk_ratio, "lr_ov": cfg.lr_ov, "schedule": cfg.qk_schedule
-        + (f" x1->x{cfg.qk_final_multiplier:g}" if cfg.qk_schedule == "increasing" else ""),
-        "seq_len": cfg.seq_len, "seeds": len(cfg.seeds), "epochs": cfg.n_epochs,
-        "paper_epochs": base.n_epochs, "batches_per_epoch": cfg.batches_per_epoch, "steps": cfg.total_steps,
-        "final_train_loss": float(np.nanmean(res.epoch_loss[:, -1])),
-        **{k: v for k, v in summ.items()}, "comprehensiveness": float(np.mean(comp)),
-        "sufficiency": float(np.mean(suff)), **deltas, "seconds": res.seconds,
-    }
-    print(f"[{name}] " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
-          flush=True)
-    return row, res
+        comp, suff = erasure(p_i, one["tokens"][0, :N_ERASURE], one["attn"][0, :N_ERASURE])
+        summ = {k: v for k, v in qtrain.summarise(one).items() if not k.endswith("_std")}
+        stop = int(res.stopped_epoch[i])
+        deltas = {}
+        if "W_V" in p_i:
+            deltas["delta_ov"] = float(qm.balancedness(p_i["W_O"], p_i["W_V"]))
+        if "W_Q" in p_i:
+            deltas["delta_qk"] = float(qm.balancedness(p_i["W_Q"].T, p_i["W_K"]))
+        loss = res.epoch_loss[i, :stop]
+        row = {
+            "cell": cell, "config": arg, "overrides": overrides, "seed": seed,
+            "train_config": {**dataclasses.asdict(cfg), "seeds": [seed]},
+            "stopped_epoch": stop, "steps": stop * cfg.batches_per_epoch,
+            "paper_steps": cfg.n_epochs * cfg.batches_per_epoch,
+            "final_train_loss": float(loss[-1]),
+            # The notebooks print the mean training loss of each 100-epoch block: the same numbers, for comparison.
+            "block100_train_loss": [float(loss[b:b + 100].mean()) for b in range(0, stop, 100)],
+            **summ,
+            "dtap_percent": qm.dtap_percent(one["mass"], one["prob"]).tolist(),
+            "comprehensiveness": float(comp), "sufficiency": float(suff), **deltas,
+            "final_qk_norm": float(norms[stop, i, 0]), "final_ov_norm": float(norms[stop, i, 1]),
+            "job_seconds": res.seconds, "job_seeds": list(seeds), "commit": code_commit(),
+        }
+        with open(seed_file(out, cell, seed, "_curves.csv.tmp"), "w", newline="") as fh:
+            w = csv.writer(fh)
+            w.writerow(["epoch", "step", "train_loss", "train_distinct_mass", "qk_norm", "ov_norm"])
+            w.writerow([0, 0, "", "", f"{norms[0, i, 0]:.6g}", f"{norms[0, i, 1]:.6g}"])
+            for e in range(stop):
+                w.writerow([e + 1, (e + 1) * cfg.batches_per_epoch, f"{res.epoch_loss[i, e]:.6g}",
+                            f"{res.epoch_mass[i, e]:.6g}", f"{norms[e + 1, i, 0]:.6g}", f"{norms[e + 1, i, 1]:.6g}"])
+        os.replace(seed_file(out, cell, seed, "_curves.csv.tmp"), seed_file(out, cell, seed, "_curves.csv"))
+        _atomic_write(seed_file(out, cell, seed), json.dumps(row, indent=1) + "\n")
+        rows.append(row)
+        log(f"[{cell}] seed {seed}: stopped at epoch {stop}, loss {summ['loss']:.4g}, acc {summ['acc']:.1f}, "
+            f"distinct mass {summ['distinct_mass']:.3f}, AC {summ['AC']:.1f} ({res.seconds:.0f}s)")
+    for p in (ckpt, norms_path):
+        if os.path.exists(p):
+            os.remove(p)
+    return rows
 
 
-MD_COLS = [("cell", "{}"), ("param", "{}"), ("lr_qk", "{:g}"), ("lr_ov", "{:g}"), ("schedule", "{}"),
-           ("seq_len", "{}"), ("seeds", "{}"), ("steps", "{}"), ("paper_epochs", "{}"), ("loss", "{:.3f}"),
-           ("acc", "{:.1f}"), ("distinct_mass", "{:.3f}"), ("distinct_mass_std", "{:.3f}"),
-           ("separability", "{:.4f}"), ("AC", "{:.1f}"), ("ACMC", "{:.1f}"), ("comprehensiveness", "{:.3f}"),
-           ("sufficiency", "{:.3f}"), ("delta_ov", "{:.3f}"), ("delta_qk", "{:.3f}"), ("seconds", "{:.0f}")]
-
-
-def write_tables(rows: list[dict], out_dir: str, command: str) -> None:
-    keys = []
-    for r in rows:
-        keys += [k for k in r if k not in keys]
-    with open(os.path.join(out_dir, "synthetic.csv"), "w", newline="") as fh:
-        w = csv.DictWriter(fh, keys)
-        w.writeheader()
-        w.writerows(rows)
-    with open(os.path.join(out_dir, "synthetic.md"), "w") as fh:
-        fh.write("# Synthetic QK/OV experiments (Figure 2, scaled down)\n\n")
-        fh.write(f"Command: `{command}`\n\n")
-        fh.write("Test metrics over 200 fresh batches x 32 per seed (RandomState(seed + 1e6)); mean over seeds "
-                 "(`distinct_mass_std` = std over seeds). AC / ACMC use tau_att = 0.5, tau_conf = 0.5. "
-                 "Comprehensiveness / sufficiency: top-5% (k = 4 of 63 or 7 of 127) attention positions deleted / "
-                 "kept, 256 samples per seed. delta = balancedness of the factorised circuit(s). `steps` = epochs "
-                 "x batches per epoch actually run; `paper_epochs` = the paper's epoch count.\n\n")
-        fh.write("| " + " | ".join(c for c, _ in MD_COLS) + " |\n")
-        fh.write("|" + "---|" * len(MD_COLS) + "\n")
-        for r in rows:
-            cells = [fmt.format(r[c]) if c in r else "-" for c, fmt in MD_COLS]
-            fh.write("| " + " | ".join(cells) + " |\n")
-
-
-def plot_curves(results: dict, out_dir: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
-    for name, res in results.items():
-        steps = (np.arange(res.epoch_mass.shape[1]) + 1) * res.config.batches_per_epoch
-        axes[0].plot(steps, np.nanmean(res.epoch_mass, 0), label=name)
-        axes[1].plot(steps, np.nanmean(res.epoch_loss, 0), label=name)
-    axes[0].set_ylabel("distinct-token attention mass (train batches)")
-    axes[1].set_ylabel("train loss")
-    axes[1].set_yscale("log")
-    for ax in axes:
-        ax.set_xlabel("step")
-    axes[0].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, "mass_curves.png"), dpi=110)
-    plt.close(fig)
+def run_cells(cells: list[str], which: str, out: str, work: str, ckpt_every: int = 10, log=print) -> None:
+    """Run the missing seeds of each cell. which: 'first' (the cell's first seed), 'rest' (the others), 'all'."""
+    for cell in cells:
+        seeds = cell_config(cell).seeds
+        pick = {"first": seeds[:1], "rest": seeds[1:], "all": seeds}[which]
+        todo = tuple(s for s in pick if s not in done_seeds(out, cell))
+        if todo:
+            t0 = time.time()
+            run_job(cell, todo, out, work, ckpt_every, log)
+            log(f"[{cell}] job done in {time.time() - t0:.0f}s")
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="docs/results/qkov")
+    ap.add_argument("--out", default="docs/results/qkov", help="result files go to OUT/runs/<cell>/")
+    ap.add_argument("--work", default="runs/qkov", help="in-job checkpoints (deleted when a job ends)")
     ap.add_argument("--cells", default="all", help="comma-separated cell names or 'all': " + ",".join(CELLS))
-    ap.add_argument("--scale", type=float, default=1.0, help="multiply this script's epoch counts")
+    ap.add_argument("--seeds", default="all", choices=("first", "rest", "all"))
+    ap.add_argument("--ckpt-every", type=int, default=10, help="epochs between in-job checkpoints")
     args = ap.parse_args(argv)
     names = list(CELLS) if args.cells == "all" else [c.strip() for c in args.cells.split(",")]
-    for n in names:
-        if n not in CELLS:
-            raise ValueError(f"--cells: unknown cell {n!r}; known: {', '.join(CELLS)}")
-    if not args.scale > 0:
-        raise ValueError(f"--scale: must be > 0, got {args.scale}")
-    os.makedirs(args.out, exist_ok=True)
-    command = "python experiments/qkov_synthetic.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    t0 = time.time()
-    rows, results = [], {}
-    for n in names:
-        row, res = run_cell(n, args.out, args.scale)
-        rows.append(row)
-        results[n] = res
-        write_tables(rows, args.out, command)  # rewrite after every cell so partial runs leave results
-    plot_curves(results, args.out)
-    print(f"total {time.time() - t0:.0f}s", flush=True)
+    unknown = [n for n in names if n not in CELLS]
+    if unknown:
+        print(f"error: --cells: unknown cell(s) {', '.join(unknown)}; known: {', '.join(CELLS)}", file=sys.stderr)
+        return 2
+    if args.ckpt_every < 1:
+        print(f"error: --ckpt-every must be >= 1, got {args.ckpt_every}", file=sys.stderr)
+        return 2
+    run_cells(names, args.seeds, args.out, args.work, args.ckpt_every, log=lambda m: print(m, flush=True))
     return 0
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import dataclasses
 import math
 import os
 import subprocess
@@ -168,6 +169,53 @@ def test_fixed_alpha_training_shares_data_and_trains_ov_only():
     res = qtrain.train(cfg)
     assert set(res.params) == {"W_OV", "b_OV"} and res.params["W_OV"].shape == (2, 50, 50)
     np.testing.assert_allclose(res.epoch_mass, [[0.2, 0.2], [1.0, 1.0]], rtol=1e-6)
+
+
+def test_stop_rule_matches_reference_running_loss_loop():
+    # The reference notebooks break when running_loss / n_batches <= thr, where running_loss sums batch losses and is
+    # reset after every `k`-th epoch. Replay that literal loop on the epoch averages of an unstopped run and check
+    # that stop_check_every = k stops at the same epoch.
+    k, n = 3, 9
+    full = qtrain.train(_tiny_cfg(parametrisation="caco", lr_ov=0.5, n_epochs=n, batches_per_epoch=4, seeds=(3,)))
+    h = full.epoch_loss[0]
+    thr = float(h[k]) * (1 + 1e-6)  # passes at the 2nd block's first epoch at the latest (loss falls from h[0])
+    want, running = n, 0.0
+    for e in range(n):
+        running += h[e]  # running_loss / n_batches accumulates epoch averages
+        if running <= thr:
+            want = e + 1
+            break
+        if (e + 1) % k == 0:
+            running = 0.0
+    assert h[0] > thr and want <= k + 1
+    res = qtrain.train(_tiny_cfg(parametrisation="caco", lr_ov=0.5, n_epochs=n, batches_per_epoch=4, seeds=(3,),
+                                 stop_loss=thr, stop_check_every=k))
+    assert int(res.stopped_epoch[0]) == want
+    np.testing.assert_array_equal(res.epoch_loss[0, :want], h[:want])
+    assert np.isnan(res.epoch_loss[0, want:]).all()
+
+
+def test_checkpoint_resume_equals_uninterrupted_run(tmp_path):
+    cfg = _tiny_cfg(parametrisation="fafo", qk_schedule="increasing", qk_final_multiplier=5.0, n_epochs=4,
+                    batches_per_epoch=3)
+    ref = qtrain.train(cfg)
+    path = str(tmp_path / "ck.npz")
+
+    def crash(ep, params):
+        if ep == 3:
+            raise KeyboardInterrupt  # a kill after epoch 3; the last checkpoint is from epoch 2
+
+    with pytest.raises(KeyboardInterrupt):
+        qtrain.train(cfg, callback=crash, ckpt_path=path, ckpt_every=2)
+    assert os.path.exists(path)
+    logs = []
+    res = qtrain.train(cfg, ckpt_path=path, ckpt_every=2, log=logs.append)
+    assert any("resumed" in m and "epoch 2/4" in m for m in logs)
+    for k in ref.params:
+        np.testing.assert_array_equal(np.asarray(res.params[k]), np.asarray(ref.params[k]))
+    np.testing.assert_array_equal(res.epoch_loss, ref.epoch_loss)
+    with pytest.raises(ValueError, match="another config"):
+        qtrain.train(dataclasses.replace(cfg, lr_ov=0.02), ckpt_path=path)
 
 
 def test_trainconfig_rejects_bad_fields():

@@ -149,7 +149,11 @@ def attention(params: Params, tokens: jax.Array) -> jax.Array:
 def readout(params: Params, tokens: jax.Array, attn: jax.Array) -> jax.Array:
     """Logits [B, 50] = OV(sum_j a_j x_j) (+ b_OV) for tokens [B, T] and attention [B, T]."""
     x = jax.nn.one_hot(tokens, D, dtype=attn.dtype)
-    pooled = jnp.einsum("bt,btd->bd", attn, x)  # [B, D]
+    return readout_pooled(params, jnp.einsum("bt,btd->bd", attn, x))
+
+
+def readout_pooled(params: Params, pooled: jax.Array) -> jax.Array:
+    """Logits [B, 50] = OV(pooled) (+ b_OV) for the attention-pooled one-hot inputs ``pooled`` [B, 50]."""
     if "W_OV" in params:
         logits = pooled @ params["W_OV"].T
     else:

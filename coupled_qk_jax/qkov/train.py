@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import json
+import os
 import time
 from typing import Callable, Sequence
 
@@ -49,7 +51,8 @@ class TrainConfig:
     n_epochs: int = 10
     batches_per_epoch: int = 100
     seeds: tuple[int, ...] = (1234,)
-    stop_loss: float | None = None  # stop a run once its epoch-average loss <= stop_loss
+    stop_loss: float | None = None  # stop a run once its epoch-average loss <= stop_loss ...
+    stop_check_every: int = 1  # ... tested at 1-based epochs 1, 1 + k, 1 + 2k, ... only (see train())
     fixed_alpha: tuple[float, ...] | None = None  # Figure 3: one run per alpha, attention fixed, OV trained only
     ov_bias: bool = False
     eval_batches: int = 200
@@ -67,7 +70,7 @@ class TrainConfig:
             raise ValueError(f"qk_ratio: must be >= 0, got {self.qk_ratio}")
         if not self.qk_final_multiplier >= 0:
             raise ValueError(f"qk_final_multiplier: must be >= 0, got {self.qk_final_multiplier}")
-        for name in ("batch_size", "n_epochs", "batches_per_epoch", "eval_batches"):
+        for name in ("batch_size", "n_epochs", "batches_per_epoch", "eval_batches", "stop_check_every"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.seq_len < 3:
@@ -191,12 +194,64 @@ class TrainResult:
     seconds: float
 
 
+def _config_json(cfg: TrainConfig) -> str:
+    return json.dumps(dataclasses.asdict(cfg), sort_keys=True)
+
+
+def _save_checkpoint(path: str, cfg: TrainConfig, epoch: int, params, opt_state, rng_states, hist, mhist, stopped,
+                     active) -> None:
+    """Atomically write the state after ``epoch`` completed epochs (numpy .npz, written to a temp file, renamed)."""
+    arrays = {f"leaf_{i}": np.asarray(v) for i, v in enumerate(jax.tree.leaves((params, opt_state)))}
+    arrays.update(
+        config=np.array(_config_json(cfg)), epoch=np.array(epoch), hist=hist, mhist=mhist, stopped=stopped,
+        active=active, rng_keys=np.stack([st[1] for st in rng_states]),
+        rng_pos=np.array([st[2] for st in rng_states]), rng_has_gauss=np.array([st[3] for st in rng_states]),
+        rng_gauss=np.array([st[4] for st in rng_states]))
+    tmp = f"{path}.tmp{os.getpid()}.npz"
+    with open(tmp, "wb") as fh:
+        np.savez(fh, **arrays)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def _load_checkpoint(path: str, cfg: TrainConfig, params, opt_state):
+    """State saved by :func:`_save_checkpoint`, checked against ``cfg`` and the fresh state's structure."""
+    with np.load(path) as z:
+        saved = {k: z[k] for k in z.files}
+    if str(saved["config"]) != _config_json(cfg):
+        raise ValueError(f"checkpoint {path} was written for another config; delete it to start afresh\n"
+                         f"  saved:   {saved['config']}\n  current: {_config_json(cfg)}")
+    leaves, treedef = jax.tree.flatten((params, opt_state))
+    new = []
+    for i, ref in enumerate(leaves):
+        v = saved[f"leaf_{i}"]
+        if v.shape != np.shape(ref):
+            raise ValueError(f"checkpoint {path}: leaf {i} has shape {v.shape}, expected {np.shape(ref)}")
+        new.append(jnp.asarray(v, dtype=jnp.asarray(ref).dtype))
+    params, opt_state = jax.tree.unflatten(treedef, new)
+    rng_states = [("MT19937", k, int(p), int(h), float(g)) for k, p, h, g in
+                  zip(saved["rng_keys"], saved["rng_pos"], saved["rng_has_gauss"], saved["rng_gauss"])]
+    return (int(saved["epoch"]), params, opt_state, rng_states, saved["hist"], saved["mhist"], saved["stopped"],
+            saved["active"].astype(bool))
+
+
 def train(cfg: TrainConfig, log_every: int = 0, log: Callable[[str], None] = print,
-          callback: Callable[[int, dict], None] | None = None) -> TrainResult:
+          callback: Callable[[int, dict], None] | None = None, ckpt_path: str | None = None,
+          ckpt_every: int = 0) -> TrainResult:
     """Train all runs of a cell. Each seed's data stream is ``RandomState(seed)``.
 
     ``callback(epoch, params)`` (optional) is called with the stacked params after every epoch (epoch is 1-based)
-    and once before training with epoch 0.
+    and once before training with epoch 0 (with the resumed epoch instead, after a resume).
+
+    Early stop: with ``stop_loss`` set, a run stops after 1-based epoch n if ``(n - 1) % stop_check_every == 0`` and
+    its epoch-average loss is <= stop_loss. ``stop_check_every = 100`` is exactly the reference notebooks' rule:
+    they break when ``running_loss / n_batches <= stop_loss`` with ``running_loss`` summed over the epochs since the
+    last reset every 100 epochs, a sum of positive epoch averages that can first pass at a block's first epoch.
+
+    Checkpoints: with ``ckpt_path``, the full state (params, optimiser state, every run's numpy RNG state, curves,
+    stop flags) is written there atomically every ``ckpt_every`` epochs; if the file exists when training starts,
+    training resumes from it and gives the same result as an uninterrupted run. The caller deletes it when done.
     """
     cfg.validate()
     params, opt, opt_state = init_runs(cfg)
@@ -209,27 +264,38 @@ def train(cfg: TrainConfig, log_every: int = 0, log: Callable[[str], None] = pri
     hist = np.full((R, cfg.n_epochs), np.nan)
     mhist = np.full((R, cfg.n_epochs), np.nan)
     stopped = np.full(R, cfg.n_epochs)
+    start = 0
+    if ckpt_path is not None and os.path.exists(ckpt_path):
+        start, params, opt_state, states, hist, mhist, stopped, active = _load_checkpoint(
+            ckpt_path, cfg, params, opt_state)
+        for r, st in zip(rngs, states):
+            r.set_state(st)
+        log(f"  resumed from {ckpt_path} at epoch {start}/{cfg.n_epochs}")
     t0 = time.time()
 
     def make_epoch_data():
+        # The RNG states before drawing, so that a checkpoint taken while this epoch is prefetched can replay it.
+        states = [r.get_state() for r in rngs]
         b = [qdata.generate_batches(r, cfg.batches_per_epoch, cfg.batch_size, cfg.seq_len, shared) for r in rngs]
-        return b[0] if shared else np.stack(b)
+        return states, (b[0] if shared else np.stack(b))
 
     # Host data generation (numpy, mostly GIL-free) runs in a worker thread one epoch ahead of the jitted epoch, so
     # the two overlap on a 2-core machine. The RNG streams are consumed in the same order as a sequential loop.
     if callback is not None:
-        callback(0, params)
+        callback(start, params)
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
     next_data = pool.submit(make_epoch_data)
-    for ep in range(cfg.n_epochs):
-        batches = jnp.asarray(next_data.result())
+    for ep in range(start, cfg.n_epochs):
+        if not active.any():
+            break
+        batches = jnp.asarray(next_data.result()[1])
         if ep + 1 < cfg.n_epochs:
             next_data = pool.submit(make_epoch_data)
         params, opt_state, losses, masses = epoch_fn(params, opt_state, batches, alpha, jnp.asarray(active))
         ep_loss = np.asarray(losses).mean(axis=1)
         hist[active, ep] = ep_loss[active]
         mhist[active, ep] = np.asarray(masses).mean(axis=1)[active]
-        if cfg.stop_loss is not None:
+        if cfg.stop_loss is not None and ep % cfg.stop_check_every == 0:
             newly = active & (ep_loss <= cfg.stop_loss)
             stopped[newly] = ep + 1
             active &= ~newly
@@ -238,8 +304,9 @@ def train(cfg: TrainConfig, log_every: int = 0, log: Callable[[str], None] = pri
         if log_every and ((ep + 1) % log_every == 0 or ep == 0):
             log(f"  epoch {ep + 1}/{cfg.n_epochs} loss {np.array2string(ep_loss, precision=4)} "
                 f"mass {np.array2string(mhist[:, ep], precision=3)} ({time.time() - t0:.1f}s)")
-        if not active.any():
-            break
+        if ckpt_path is not None and ckpt_every and (ep + 1) % ckpt_every == 0 and ep + 1 < cfg.n_epochs:
+            _save_checkpoint(ckpt_path, cfg, ep + 1, params, opt_state, next_data.result()[0], hist, mhist,
+                             stopped, active)
     pool.shutdown(wait=True)
     return TrainResult(cfg, params, hist, mhist, stopped, time.time() - t0)
 
