@@ -121,7 +121,7 @@ def run_job(ov: str, out: str, work: str, eval_batches: int, ckpt_every: int = 1
     meta = {"ov": ov, "config": OV_TYPES[ov], "train_config": {k: v for k, v in vars(cfg).items()},
             "eval_batches": eval_batches, "eval_sequences": int(len(y)), "final_loss": dict(
                 zip(map(str, cfg.fixed_alpha), hist[cfg.n_epochs][0])), "job_seconds": res.seconds,
-            "commit": synth.code_commit()}
+            "commit": synth.COMMIT}
     with open(paths["json"] + ".tmp", "w") as fh:
         json.dump(meta, fh, indent=1)
     os.replace(paths["json"] + ".tmp", paths["json"])

@@ -72,6 +72,9 @@ def code_commit() -> str:
     return head + ("+dirty" if dirty else "")
 
 
+COMMIT = code_commit()  # taken once, when the queue starts: later checkouts of the tree do not change it
+
+
 def cell_config(name: str) -> qtrain.TrainConfig:
     """The cell's TrainConfig with all of the paper's seeds."""
     arg, overrides = CELLS[name]
@@ -157,7 +160,7 @@ def run_job(cell: str, seeds: tuple[int, ...], out: str, work: str, ckpt_every: 
             "dtap_percent": qm.dtap_percent(one["mass"], one["prob"]).tolist(),
             "comprehensiveness": float(comp), "sufficiency": float(suff), **deltas,
             "final_qk_norm": float(norms[stop, i, 0]), "final_ov_norm": float(norms[stop, i, 1]),
-            "job_seconds": res.seconds, "job_seeds": list(seeds), "commit": code_commit(),
+            "job_seconds": res.seconds, "job_seeds": list(seeds), "commit": COMMIT,
         }
         with open(seed_file(out, cell, seed, "_curves.csv.tmp"), "w", newline="") as fh:
             w = csv.writer(fh)
