@@ -104,8 +104,10 @@ def run_job(ov: str, out: str, work: str, eval_batches: int, ckpt_every: int = 1
 
     log(f"[fixed {ov}] {cfg.n_epochs} x {cfg.batches_per_epoch} steps of 4x{cfg.batch_size}, alphas {cfg.fixed_alpha}, "
         f"evaluation on {eval_batches} batches")
+    cpu0 = synth.cpu_seconds()
     res = qtrain.train(cfg, log_every=max(1, cfg.n_epochs // 10), log=log, callback=cb, ckpt_path=paths["ckpt"],
                        ckpt_every=ckpt_every)
+    cpu_train = synth.cpu_seconds() - cpu0
     rows = []
     for ep in range(cfg.n_epochs + 1):
         l0, l1 = hist[ep]
@@ -121,7 +123,7 @@ def run_job(ov: str, out: str, work: str, eval_batches: int, ckpt_every: int = 1
     meta = {"ov": ov, "config": OV_TYPES[ov], "train_config": {k: v for k, v in vars(cfg).items()},
             "eval_batches": eval_batches, "eval_sequences": int(len(y)), "final_loss": dict(
                 zip(map(str, cfg.fixed_alpha), hist[cfg.n_epochs][0])), "job_seconds": res.seconds,
-            "commit": synth.COMMIT}
+            "job_cpu_seconds": cpu_train, "commit": synth.COMMIT}
     with open(paths["json"] + ".tmp", "w") as fh:
         json.dump(meta, fh, indent=1)
     os.replace(paths["json"] + ".tmp", paths["json"])

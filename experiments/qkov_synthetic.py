@@ -25,6 +25,7 @@ import csv
 import dataclasses
 import json
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -70,6 +71,11 @@ def code_commit() -> str:
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return head + ("+dirty" if dirty else "")
+
+
+def cpu_seconds() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
 
 
 COMMIT = code_commit()  # taken once, when the queue starts: later checkouts of the tree do not change it
@@ -132,8 +138,10 @@ def run_job(cell: str, seeds: tuple[int, ...], out: str, work: str, ckpt_every: 
 
     log(f"[{cell}] {arg} {overrides}: {cfg.n_epochs} x {cfg.batches_per_epoch} steps, seeds {seeds}, "
         f"stop_loss {cfg.stop_loss} every {cfg.stop_check_every} epochs")
+    cpu0 = cpu_seconds()
     res = qtrain.train(cfg, log_every=max(1, cfg.n_epochs // 10), log=log, callback=cb, ckpt_path=ckpt,
                        ckpt_every=ckpt_every)
+    cpu_train = cpu_seconds() - cpu0
     ev = qtrain.evaluate(res.params, cfg.seeds, cfg.eval_batches, cfg.batch_size, cfg.seq_len)
     rows = []
     for i, seed in enumerate(seeds):
@@ -161,6 +169,9 @@ def run_job(cell: str, seeds: tuple[int, ...], out: str, work: str, ckpt_every: 
             "comprehensiveness": float(comp), "sufficiency": float(suff), **deltas,
             "final_qk_norm": float(norms[stop, i, 0]), "final_ov_norm": float(norms[stop, i, 1]),
             "job_seconds": res.seconds, "job_seeds": list(seeds), "commit": COMMIT,
+            # CPU seconds (user + sys, all threads) of this job's training since its last (re)start, shared by
+            # its seeds; a resumed job counts only the part after the resume.
+            "job_cpu_seconds": cpu_train,
         }
         with open(seed_file(out, cell, seed, "_curves.csv.tmp"), "w", newline="") as fh:
             w = csv.writer(fh)
