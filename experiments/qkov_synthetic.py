@@ -138,6 +138,7 @@ def run_job(cell: str, seeds: tuple[int, ...], out: str, work: str, ckpt_every: 
 
     log(f"[{cell}] {arg} {overrides}: {cfg.n_epochs} x {cfg.batches_per_epoch} steps, seeds {seeds}, "
         f"stop_loss {cfg.stop_loss} every {cfg.stop_check_every} epochs")
+    resumed = os.path.exists(ckpt)
     cpu0 = cpu_seconds()
     res = qtrain.train(cfg, log_every=max(1, cfg.n_epochs // 10), log=log, callback=cb, ckpt_path=ckpt,
                        ckpt_every=ckpt_every)
@@ -171,7 +172,7 @@ def run_job(cell: str, seeds: tuple[int, ...], out: str, work: str, ckpt_every: 
             "job_seconds": res.seconds, "job_seeds": list(seeds), "commit": COMMIT,
             # CPU seconds (user + sys, all threads) of this job's training since its last (re)start, shared by
             # its seeds; a resumed job counts only the part after the resume.
-            "job_cpu_seconds": cpu_train,
+            "job_cpu_seconds": cpu_train, "job_resumed": resumed,
         }
         with open(seed_file(out, cell, seed, "_curves.csv.tmp"), "w", newline="") as fh:
             w = csv.writer(fh)

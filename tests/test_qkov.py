@@ -416,3 +416,40 @@ def test_config_grammar():
         get_config("fafo,fast")
     with pytest.raises(ValueError, match="PARAM"):
         get_config("xyz,1")
+
+
+def test_config_budgets_and_stop_rule_are_the_notebooks():
+    sys.path.insert(0, REPO)
+    from configs.qkov import get_config
+
+    # (epochs, batches, seeds, stop) of the released Figure-2 notebook cells.
+    for arg, want in [("fafo,1", (2500, 250, 1, True)), ("faco,1", (2500, 250, 1, True)),
+                      ("cafo,1", (5000, 200, 5, True)), ("caco,1", (2500, 200, 3, True)),
+                      ("fafo,20", (1000, 100, 5, True)), ("caco,5", (2000, 100, 5, False)),
+                      ("fafo,increasing", (2000, 100, 5, False)), ("caco,increasing", (2000, 100, 5, False))]:
+        c = get_config(arg)
+        got = (c.n_epochs, c.batches_per_epoch, len(c.seeds), c.stop_loss is not None)
+        assert got == want, arg
+        if c.stop_loss is not None:
+            assert (c.stop_loss, c.stop_check_every) == (1e-3, 100)
+
+
+# ------------------------------------------------------------------------------------ Figure-3 experiment script
+
+
+def test_fixed_attention_pooled_parts_match_the_model_path():
+    sys.path.insert(0, os.path.join(REPO, "experiments"))
+    import qkov_fixed_attention as fx
+
+    rng = np.random.RandomState(0)
+    x = qdata.split(qdata.generate_batches(rng, 1, 3, 12, fixed_attention=True).reshape(-1, 12))[0]
+    x[0] = rng.randint(0, 10, size=x.shape[1])  # a row with no distinct token
+    x[1] = rng.randint(10, 50, size=x.shape[1])  # a row with only distinct tokens
+    y = jnp.asarray(rng.randint(0, 50, size=len(x)))
+    p_rel, p_rest = fx.pooled_parts(x)
+    np.testing.assert_allclose(p_rel.sum(-1), 1.0, rtol=1e-6)
+    params = qmodel.init_params(jax.random.PRNGKey(1), "caco", "default", ov_bias=True)
+    for a in (0.0, 0.3, 1.0):
+        want = qmodel.fixed_attention_loss_fn(params, jnp.asarray(x), y, a)
+        got = qmodel.cross_entropy(qmodel.readout_pooled(params, a * p_rel + (1 - a) * p_rest), y)
+        np.testing.assert_allclose(float(got), float(want), rtol=1e-5)
