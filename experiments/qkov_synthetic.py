@@ -62,12 +62,14 @@ N_ERASURE = 256  # samples per seed for comprehensiveness / sufficiency
 
 
 def code_commit() -> str:
-    """The checkout's commit (``+dirty`` if tracked files differ from it), recorded in every result file."""
+    """The checkout's commit (``+dirty`` if the code differs from it), recorded in every result file. Result files
+    written into the tree while the queue runs do not count as changes."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
                               check=True).stdout.strip()
-        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--"], cwd=root).returncode != 0
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "coupled_qk_jax", "configs", "experiments"],
+                               cwd=root).returncode != 0
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return head + ("+dirty" if dirty else "")
