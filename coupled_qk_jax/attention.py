@@ -58,14 +58,18 @@ def rms_norm(x: Array, scale: Array, eps: float) -> Array:
     return (normed * scale).astype(x.dtype)
 
 
-def apply_rope(x: Array, base: float, seq_axis: int = 1) -> Array:
-    """Rotary position embedding (rotate-half form) on [B, T, H, d] (or [B, H, T, d] with seq_axis=2), positions
-    0..T-1."""
+def apply_rope(x: Array, base: float, seq_axis: int = 1, positions: Array | None = None) -> Array:
+    """Rotary position embedding (rotate-half form) on [B, T, H, d] (or [B, H, T, d] with seq_axis=2), at positions
+    0..T-1, or at the absolute `positions` [B, T] (cached decoding; [B, T, H, d] layout only)."""
     t, d = x.shape[seq_axis], x.shape[-1]
     inv_freq = 1.0 / (base ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
-    angles = jnp.arange(t, dtype=jnp.float32)[:, None] * inv_freq[None, :]  # [T, d/2]
-    shape = [1] * x.ndim
-    shape[seq_axis], shape[-1] = t, d // 2
+    if positions is None:
+        angles = jnp.arange(t, dtype=jnp.float32)[:, None] * inv_freq[None, :]  # [T, d/2]
+        shape = [1] * x.ndim
+        shape[seq_axis], shape[-1] = t, d // 2
+    else:
+        angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, d/2]
+        shape = [x.shape[0], t, 1, d // 2]
     cos = jnp.cos(angles).reshape(shape)
     sin = jnp.sin(angles).reshape(shape)
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
@@ -147,6 +151,18 @@ def chunked_causal_attention(q: Array, k: Array, v: Array, scale: float, n_chunk
             outs.append(jnp.einsum("bhqk,bhkd->bhqd", p.astype(v.dtype), vt[:, :, :hi]))
     o = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=2)
     return o if heads_major else jnp.swapaxes(o, 1, 2)
+
+
+def cached_attention(q: Array, k: Array, v: Array, visible: Array, scale: float,
+                     mix: Callable[[Array], Array] | None = None) -> Array:
+    """Attention of new queries against a KV cache (cached decoding).
+
+    q: [B, T, H, d]; k: [B, S, H, d] and v: [B, S, Hv, dv], the cache's S slots; visible: bool [B, T, S], which slots
+    each query may see. Returns [B, T, Hv, dv]. `mix` as in `chunked_causal_attention`."""
+    s = jnp.einsum("bthd,bshd->bhts", q * jnp.asarray(scale, q.dtype), k, preferred_element_type=jnp.float32)
+    e, inv_sum = _exp_and_norm(jnp.where(visible[:, None], s, jnp.finfo(jnp.float32).min))
+    p = e * inv_sum if mix is None else mix(e * inv_sum)
+    return jnp.einsum("bhts,bshd->bthd", p.astype(v.dtype), v)
 
 
 def causal_softmax(q: Array, k: Array, scale: float) -> Array:
@@ -352,3 +368,41 @@ class CausalSelfAttention(nnx.Module):
         if hasattr(self, "dt"):
             aux["dt"] = self.dt[...]
         return y, aux
+
+    # -- cached decoding (generate.py) ------------------------------------------------------------------------------
+    def decode(self, x: Array, cache: dict[str, Array], positions: Array,
+               shared_coupling: CouplingMLP | None = None) -> tuple[Array, dict[str, Array]]:
+        """The layer on T new tokens with a KV cache: x [B, T, d_model] at absolute `positions` [B, T] (consecutive
+        in each row) -> (y [B, T, d_model], the updated cache).
+
+        cache: {"k", "v"}, each [B, S, H, d_head] in the compute dtype. It holds keys *after* the QK transform (and
+        after RoPE): every transform acts on each token's own (q, k), so a token's evolved key never changes once
+        computed. The new keys and values are written at slots positions[b, 0] + 0..T-1 and query (b, t) sees slots
+        <= positions[b, t]. Slots above a row's position may hold stale entries (a shorter prompt's padding); they
+        stay masked until that row overwrites them.
+        """
+        cfg, dtype = self.cfg, x.dtype
+        q = jnp.einsum("btd,dhk->bthk", x, self.wq[...].astype(dtype))
+        k = jnp.einsum("btd,dhk->bthk", x, self.wk[...].astype(dtype))
+        v = jnp.einsum("btd,dhk->bthk", x, self.wv[...].astype(dtype))
+        q, k = self.transform_qk(q, k, shared_coupling)
+        if cfg.positions == "rope":  # the transform runs before the rotation, as in __call__
+            q = apply_rope(q, cfg.rope_base, positions=positions)
+            k = apply_rope(k, cfg.rope_base, positions=positions)
+        write = jax.vmap(lambda c, new, at: jax.lax.dynamic_update_slice_in_dim(c, new.astype(c.dtype), at, axis=0))
+        cache = {"k": write(cache["k"], k, positions[:, 0]), "v": write(cache["v"], v, positions[:, 0])}
+        visible = jnp.arange(cache["k"].shape[1])[None, None, :] <= positions[:, :, None]  # [B, T, S]
+        if cfg.scoring == "differential":
+            b, t, h, dh = q.shape
+            lam = self.lambda_value()
+
+            def mix(probs: Array) -> Array:  # [B, H, T, S] -> [B, H/2, T, S]
+                probs = probs.reshape((b, h // 2, 2) + probs.shape[2:])
+                return probs[:, :, 0] - lam * probs[:, :, 1]
+
+            s = cache["v"].shape[1]
+            o = cached_attention(q, cache["k"], cache["v"].reshape(b, s, h // 2, 2 * dh), visible, dh ** -0.5, mix)
+            o = (rms_norm(o, self.subln_scale[...], eps=1e-5) * (1.0 - self.lambda_init)).reshape(b, t, h, dh)
+        else:
+            o = cached_attention(q, cache["k"], cache["v"], visible, cfg.head_dim ** -0.5)
+        return jnp.einsum("bthk,hkd->btd", o, self.wo[...].astype(dtype)), cache

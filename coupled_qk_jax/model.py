@@ -88,6 +88,14 @@ class Block(nnx.Module):
             x = x + dropout(self.mlp(self.mlp_norm(x)), self.cfg.dropout, keys[1])
         return (x, aux) if collect else x
 
+    def decode(self, x: Array, cache: dict[str, Array], positions: Array, shared_coupling=None):
+        """The block on new tokens with the attention layer's KV cache (no dropout): -> (x, cache)."""
+        out, cache = self.attn.decode(self.attn_norm(x), cache, positions, shared_coupling)
+        x = x + out
+        if self.cfg.d_ff:
+            x = x + self.mlp(self.mlp_norm(x))
+        return x, cache
+
 
 def _run_block(block: Block, x: Array, shared_coupling, dropout_key):
     return block(x, shared_coupling, dropout_key)
@@ -139,6 +147,30 @@ class TransformerLM(nnx.Module):
         # Tied head: logits = x @ E^T, accumulated in float32.
         logits = jnp.einsum("btd,vd->btv", x, self.embed[...].astype(dtype), preferred_element_type=jnp.float32)
         return (logits, collected) if collect else logits
+
+    def decode(self, tokens: Array, cache: dict[str, Array], start: Array) -> tuple[Array, dict[str, Array]]:
+        """The forward pass with a KV cache (generate.py): tokens int [B, T] at positions start[b] + 0..T-1, where
+        start is int [B] -> (logits [B, T, V] float32, the updated cache).
+
+        cache: {"k", "v"}, each [n_layers, B, S, H, d_head] in the compute dtype (`generate.init_cache`); keys are
+        stored after the QK transform. A prefill is `decode(prompts, cache, zeros)`, a decode step
+        `decode(next_tokens[:, None], cache, positions)`; the logits equal those of `__call__` on the whole sequence.
+        """
+        cfg = self.cfg
+        dtype = jnp.dtype(cfg.dtype)
+        positions = start[:, None] + jnp.arange(tokens.shape[1])[None, :]  # [B, T]
+        x = jnp.take(self.embed[...], tokens, axis=0)
+        if cfg.positions == "learned":
+            x = x + jnp.take(self.pos_embed[...], positions, axis=0)
+        x = x.astype(dtype)
+        shared = getattr(self, "shared_coupling", None)
+        ks, vs = cache["k"], cache["v"]
+        for i, block in enumerate(self.blocks):
+            x, layer = block.decode(x, {"k": ks[i], "v": vs[i]}, positions, shared)
+            ks, vs = ks.at[i].set(layer["k"]), vs.at[i].set(layer["v"])
+        x = self.final_norm(x)
+        logits = jnp.einsum("btd,vd->btv", x, self.embed[...].astype(dtype), preferred_element_type=jnp.float32)
+        return logits, {"k": ks, "v": vs}
 
 
 def count_params(model: nnx.Module) -> int:

@@ -1,0 +1,256 @@
+"""Sampling from a trained model with a preallocated KV cache: one jitted prefill, one jitted decode step.
+
+    model, tokenizer = load_run("runs/main_job/coupled_euler")
+    gen = Generator(model, vocab_limit=tokenizer.vocab_size)
+    ids = gen.generate(encode_prompts(tokenizer, ["def ", "import"]), max_new_tokens=64,
+                       sampling=Sampling(temperature=0.8, top_k=50), seed=0)
+
+How it works. The cache holds, per layer, the keys *after* the QK transform (and after RoPE) and the values, in
+[n_layers, B, S, H, d_head] arrays of a fixed size S (default `model.max_len`). Every QK transform here (coupled
+dynamics, the MLP-only ablation, the affine coupling) acts on each token's own (q, k) pair, so a token's evolved key
+never changes once computed and caching it is exact (`TransformerLM.decode`).
+
+* Prompts of different lengths are right-padded to one bucket length (a power of two, so that few prefill shapes are
+  ever compiled). Row b's prompt fills cache slots 0..len_b-1; its padding writes slots that stay masked until the
+  row's own decoding overwrites them, so every row decodes exactly as if it were alone.
+* The prefill returns the first sampled token of each row (from the logits at its last prompt position); each decode
+  step feeds one token per row at that row's own position, writes its key and value into the cache (donated, so
+  updated in place) and samples the next. Shapes never change between steps: one compilation serves every token.
+* Ids at or above `vocab_limit` (a model vocabulary padded above the tokenizer's size) are masked out of the logits,
+  so they are never produced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from coupled_qk_jax.config import ModelConfig
+from coupled_qk_jax.model import TransformerLM
+
+Array = jax.Array
+
+
+# ---------------------------------------------------------------------------------------------------------- sampling
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """How the next token is drawn from the logits (static: a new setting compiles once, never per token).
+
+    temperature: 0 = greedy (argmax); otherwise logits are divided by it before top-k / top-p.
+    top_k: keep the k most likely tokens (0 = off).
+    top_p: keep the smallest set of most likely tokens whose probability reaches top_p (1.0 = off); applied after
+      top-k, to the temperature-scaled distribution (the order Hugging Face's samplers use).
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self):
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
+                and self.temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if not (isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def sample_logits(logits: Array, key: Array, sampling: Sampling, vocab_limit: int) -> Array:
+    """Draw one token per row. logits: float [B, V]; ids >= vocab_limit are never drawn. Returns int32 [B].
+
+    Top-k and top-p keep every token whose logit ties the cut-off value (so with exact ties slightly more than k
+    tokens, or than the nucleus, may stay in)."""
+    neg = jnp.finfo(jnp.float32).min
+    logits = logits.astype(jnp.float32)
+    logits = jnp.where(jnp.arange(logits.shape[-1]) < vocab_limit, logits, neg)
+    if sampling.greedy:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = logits / sampling.temperature
+    if sampling.top_k and sampling.top_k < vocab_limit:
+        kth = jax.lax.top_k(logits, sampling.top_k)[0][:, -1:]
+        logits = jnp.where(logits < kth, neg, logits)
+    if sampling.top_p < 1.0:
+        ordered = jnp.sort(logits, axis=-1)[:, ::-1]  # descending
+        probs = jax.nn.softmax(ordered, axis=-1)
+        # Token i (in descending order) is kept when the mass before it is still short of top_p: the first always is.
+        keep = (jnp.cumsum(probs, axis=-1) - probs) < sampling.top_p
+        cutoff = jnp.min(jnp.where(keep, ordered, jnp.inf), axis=-1, keepdims=True)
+        logits = jnp.where(logits < cutoff, neg, logits)
+    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+# ------------------------------------------------------------------------------------------------------------- cache
+def init_cache(cfg: ModelConfig, batch: int, size: int) -> dict[str, Array]:
+    """An empty KV cache: {"k", "v"}, each [n_layers, batch, size, n_heads, head_dim] in the compute dtype.
+
+    (With differential scoring the H = n_heads entries are the half-heads, whose values are paired back into the
+    differential heads' wider values at scoring time.)"""
+    shape = (cfg.n_layers, batch, size, cfg.n_heads, cfg.head_dim)
+    return {"k": jnp.zeros(shape, cfg.dtype), "v": jnp.zeros(shape, cfg.dtype)}
+
+
+def _bucket(n: int, cap: int) -> int:
+    """The padded prompt length: the next power of two >= n (at least 8), at most cap."""
+    return min(cap, max(8, 1 << (n - 1).bit_length()))
+
+
+# --------------------------------------------------------------------------------------------------------- generator
+class Generator:
+    """Batched generation for one model: holds the jitted prefill and decode step (compiled once per shape).
+
+    Args:
+      model: a TransformerLM (its current parameters are captured).
+      vocab_limit: ids >= this are never generated (the tokenizer's size when the model vocabulary is padded).
+      cache_size: KV-cache slots S (default model.max_len); a prompt plus its new tokens must fit in them.
+    """
+
+    def __init__(self, model: TransformerLM, vocab_limit: int | None = None, cache_size: int | None = None):
+        cfg = model.cfg
+        self.cfg = cfg
+        self.vocab_limit = cfg.vocab_size if vocab_limit is None else int(vocab_limit)
+        if not 1 <= self.vocab_limit <= cfg.vocab_size:
+            raise ValueError(f"vocab_limit must be in 1..model.vocab_size={cfg.vocab_size}, got {vocab_limit}")
+        self.cache_size = cfg.max_len if cache_size is None else int(cache_size)
+        if not 1 <= self.cache_size <= cfg.max_len:
+            raise ValueError(f"cache_size must be in 1..model.max_len={cfg.max_len}, got {cache_size}")
+        self.graphdef, self.state = nnx.split(model)
+        self._prefill = jax.jit(self._prefill_impl, static_argnames=("sampling",))
+        self._decode = jax.jit(self._decode_impl, static_argnames=("sampling",), donate_argnames=("cache",))
+
+    # The two compiled functions. `state` is an argument, not a constant, so the weights are not baked into the HLO.
+    def _prefill_impl(self, state, cache, tokens, lengths, key, sampling: Sampling):
+        model = nnx.merge(self.graphdef, state)
+        logits, cache = model.decode(tokens, cache, jnp.zeros_like(lengths))
+        last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [B, V]
+        return sample_logits(last, jax.random.fold_in(key, 0), sampling, self.vocab_limit), cache
+
+    def _decode_impl(self, state, cache, tokens, positions, step, key, sampling: Sampling):
+        model = nnx.merge(self.graphdef, state)
+        logits, cache = model.decode(tokens[:, None], cache, positions)
+        return sample_logits(logits[:, 0], jax.random.fold_in(key, step), sampling, self.vocab_limit), cache
+
+    def generate(self, prompts: Sequence[Sequence[int] | np.ndarray], max_new_tokens: int,
+                 sampling: Sampling = Sampling(), seed: int = 0, eot_id: int | None = None) -> list[np.ndarray]:
+        """Continue every prompt (token ids, lengths may differ) by up to max_new_tokens tokens.
+
+        Returns one int32 array per prompt: its new tokens only. With eot_id, a row's output stops before its first
+        eot_id and decoding ends early once every row has produced one. A fixed seed reproduces the samples (for
+        the same prompts in the same batch).
+        """
+        if not prompts:
+            raise ValueError("no prompts given")
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+        rows = [np.asarray(p, dtype=np.int64).reshape(-1) for p in prompts]
+        lengths = np.array([r.size for r in rows], dtype=np.int32)
+        if lengths.min() < 1:
+            raise ValueError("every prompt needs at least one token")
+        bad = [int(i) for r in rows for i in r if not 0 <= i < self.cfg.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the model vocabulary 0..{self.cfg.vocab_size - 1}")
+        # The last new token is never fed back, so the cache needs longest prompt + max_new_tokens - 1 slots.
+        need = int(lengths.max()) + max_new_tokens - 1
+        if need > self.cache_size:
+            raise ValueError(f"the longest prompt ({int(lengths.max())} tokens) plus max_new_tokens={max_new_tokens} "
+                             f"needs {need} positions, more than the {self.cache_size} of the cache "
+                             f"(model.max_len={self.cfg.max_len}); shorten the prompt or lower max_new_tokens")
+        width = _bucket(int(lengths.max()), self.cache_size)
+        tokens = np.zeros((len(rows), width), np.int32)
+        for b, r in enumerate(rows):
+            tokens[b, :r.size] = r
+        key = jax.random.key(seed)
+        cache = init_cache(self.cfg, len(rows), self.cache_size)
+        tok, cache = self._prefill(self.state, cache, jnp.asarray(tokens), jnp.asarray(lengths), key,
+                                   sampling=sampling)
+        out = [tok]
+        positions = jnp.asarray(lengths)  # where each row's newest token goes
+        finished = np.zeros(len(rows), bool)
+        for step in range(1, max_new_tokens):
+            if eot_id is not None:
+                finished |= np.asarray(tok) == eot_id  # one host sync per step, only when stopping early is asked
+                if finished.all():
+                    break
+            tok, cache = self._decode(self.state, cache, tok, positions, step, key, sampling=sampling)
+            positions = positions + 1
+            out.append(tok)
+        ids = np.stack(jax.device_get(out), axis=1)  # [B, steps]
+        results = []
+        for row in ids:
+            if eot_id is not None and (row == eot_id).any():
+                row = row[:int(np.argmax(row == eot_id))]
+            results.append(row.astype(np.int32))
+        return results
+
+
+# -------------------------------------------------------------------------------------------------------- text, runs
+def encode_prompts(tokenizer: Any, texts: Sequence[str]) -> list[np.ndarray]:
+    """Text prompts -> token ids, each preceded by <|endoftext|>: training documents follow one (the token cache
+    terminates every document with it), so this is how a document starts. An empty text is just that token."""
+    return [np.concatenate([[tokenizer.eot_id], ids]).astype(np.int32) for ids in tokenizer.encode_batch(list(texts))]
+
+
+def parse_token_ids(text: str, vocab: int) -> np.ndarray:
+    """A prompt given as ids: '1, 2,3' -> int32 [1, 2, 3]; every id must be a token of the tokenizer (< vocab)."""
+    try:
+        ids = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--ids={text!r}: expected comma-separated integers, e.g. --ids=12,7,301") from None
+    if not ids:
+        raise ValueError("--ids needs at least one token id")
+    bad = [i for i in ids if not 0 <= i < vocab]
+    if bad:
+        raise ValueError(f"--ids: token id {bad[0]} is outside the tokenizer's vocabulary 0..{vocab - 1}")
+    return np.asarray(ids, np.int32)
+
+
+def load_run(workdir: str) -> tuple[TransformerLM, Any]:
+    """The model of `workdir`'s latest checkpoint (on the default device) and the run's tokenizer.
+
+    Needs only the run directory and its token cache (the corpus itself is not read). Raises ValueError with one
+    line when something is missing.
+    """
+    from coupled_qk_jax.data.token_cache import cache_key, load_token_cache
+    from coupled_qk_jax.training import loop
+    from coupled_qk_jax.training import optimizer as opt_lib
+    from coupled_qk_jax.training.checkpoint import Checkpointer
+    from coupled_qk_jax.training.steps import init_train_state, split_model
+
+    workdir = os.path.abspath(workdir)
+    cfg = loop.saved_run_config(workdir)
+    mcfg = loop.model_config(cfg)
+    # The tokenizer: the token cache entry the run trained from, found by the same key the trainer computed.
+    spec = loop.corpus_spec(cfg.data)
+    key, _ = cache_key(spec, str(cfg.data.tokenizer), mcfg.vocab_size, str(cfg.data.tokenizer_path) or None,
+                       200 << 20)
+    entry = os.path.join(os.path.expanduser(str(cfg.data.cache_dir)), "tokens", f"{spec.kind}-{key}")
+    if not os.path.isdir(entry):
+        raise ValueError(f"the run's token cache {entry} is missing (it holds the tokenizer); rebuild it with "
+                         f"python eval.py --workdir={workdir}")
+    tokenizer = load_token_cache(entry).tokenizer
+    # The parameters: restore the saved train state (its tree needs the optimiser state's shapes) and keep params.
+    abstract_model = nnx.eval_shape(lambda: TransformerLM(mcfg, 0))
+    graphdef, abstract_params = split_model(abstract_model)
+    tx = opt_lib.make_optimizer(abstract_params, cfg.train)
+    abstract_state = jax.eval_shape(lambda p: init_train_state(p, tx), abstract_params)
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), abstract_state)
+    ck = Checkpointer(os.path.join(workdir, "checkpoints"))
+    try:
+        step = ck.latest_step()
+        state = ck.restore(step, target)
+    finally:
+        ck.close()
+    return nnx.merge(graphdef, state["params"]), tokenizer

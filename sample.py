@@ -1,0 +1,60 @@
+"""Sample text from a trained run: `python sample.py --workdir=DIR [--prompt=TEXT ...] [--ids=1,2,3 ...]`.
+
+The model, its config and its tokenizer all come from the run directory (the latest checkpoint). Several --prompt
+and --ids flags make one batch; prompts may differ in length. Decoding is greedy with --temperature=0, otherwise
+sampled with --temperature, --top_k and --top_p from --seed. Text prompts start a new document (they are preceded by
+<|endoftext|>); with neither flag, one empty prompt samples a document from scratch. See coupled_qk_jax/generate.py.
+"""
+
+from __future__ import annotations
+
+from absl import app, flags, logging
+
+flags.DEFINE_string("workdir", None, "Run directory written by train.py.")
+flags.DEFINE_multi_string("prompt", [], "A text prompt (repeat the flag for a batch).")
+flags.DEFINE_multi_string("ids", [], "A prompt as comma-separated token ids, used as given (repeatable).")
+flags.DEFINE_integer("max_new_tokens", 200, "Tokens to generate per prompt.")
+flags.DEFINE_float("temperature", 0.8, "Softmax temperature; 0 = greedy decoding.")
+flags.DEFINE_integer("top_k", 200, "Sample among the k most likely tokens (0 = all).")
+flags.DEFINE_float("top_p", 1.0, "Nucleus sampling: the smallest set of tokens holding this probability (1 = off).")
+flags.DEFINE_integer("seed", 0, "Sampling seed: the same seed, prompts and flags give the same text.")
+flags.DEFINE_integer("num_samples", 1, "Samples per prompt (each prompt is repeated in the batch).")
+flags.DEFINE_bool("stop_at_eot", True, "End a sample at its first <|endoftext|>.")
+flags.mark_flags_as_required(["workdir"])
+FLAGS = flags.FLAGS
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
+    from coupled_qk_jax.training import cli
+
+    cli.exit_process(cli.run_guarded(_sample))
+
+
+def _sample() -> None:
+    import numpy as np
+
+    from coupled_qk_jax import generate
+
+    if FLAGS.num_samples < 1:
+        raise ValueError(f"--num_samples must be >= 1, got {FLAGS.num_samples}")
+    sampling = generate.Sampling(FLAGS.temperature, FLAGS.top_k, FLAGS.top_p)
+    model, tokenizer = generate.load_run(FLAGS.workdir)
+    texts = list(FLAGS.prompt) if FLAGS.prompt or FLAGS.ids else [""]
+    prompts = generate.encode_prompts(tokenizer, texts)
+    prompts += [generate.parse_token_ids(s, tokenizer.vocab_size) for s in FLAGS.ids]
+    labels = [repr(t) for t in texts] + [f"ids {s}" for s in FLAGS.ids]
+    batch = [p for p in prompts for _ in range(FLAGS.num_samples)]
+    gen = generate.Generator(model, vocab_limit=tokenizer.vocab_size)
+    outputs = gen.generate(batch, FLAGS.max_new_tokens, sampling, FLAGS.seed,
+                           eot_id=tokenizer.eot_id if FLAGS.stop_at_eot else None)
+    for i, (prompt, new) in enumerate(zip(batch, outputs)):
+        label = labels[i // FLAGS.num_samples]
+        print(f"--- sample {i % FLAGS.num_samples + 1} of prompt {label}: {len(new)} new tokens", flush=True)
+        print(tokenizer.decode(np.concatenate([prompt, new])), flush=True)
+
+
+if __name__ == "__main__":
+    app.run(main)
