@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -34,6 +33,7 @@ import numpy as np
 from flax import nnx
 
 from coupled_qk_jax.config import ModelConfig
+from coupled_qk_jax.errors import UserError
 from coupled_qk_jax.model import TransformerLM
 
 Array = jax.Array
@@ -57,11 +57,11 @@ class Sampling:
     def __post_init__(self):
         if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
                 and self.temperature >= 0):
-            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
+            raise UserError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+            raise UserError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
         if not (isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p!r}")
+            raise UserError(f"top_p must be in (0, 1] (1 = off), got {self.top_p!r}")
 
     @property
     def greedy(self) -> bool:
@@ -151,20 +151,20 @@ class Generator:
         the same prompts in the same batch).
         """
         if not prompts:
-            raise ValueError("no prompts given")
+            raise UserError("no prompts given")
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+            raise UserError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
         rows = [np.asarray(p, dtype=np.int64).reshape(-1) for p in prompts]
         lengths = np.array([r.size for r in rows], dtype=np.int32)
         if lengths.min() < 1:
-            raise ValueError("every prompt needs at least one token")
+            raise UserError("every prompt needs at least one token")
         bad = [int(i) for r in rows for i in r if not 0 <= i < self.cfg.vocab_size]
         if bad:
-            raise ValueError(f"prompt token id {bad[0]} is outside the model vocabulary 0..{self.cfg.vocab_size - 1}")
+            raise UserError(f"prompt token id {bad[0]} is outside the model vocabulary 0..{self.cfg.vocab_size - 1}")
         # The last new token is never fed back, so the cache needs longest prompt + max_new_tokens - 1 slots.
         need = int(lengths.max()) + max_new_tokens - 1
         if need > self.cache_size:
-            raise ValueError(f"the longest prompt ({int(lengths.max())} tokens) plus max_new_tokens={max_new_tokens} "
+            raise UserError(f"the longest prompt ({int(lengths.max())} tokens) plus max_new_tokens={max_new_tokens} "
                              f"needs {need} positions, more than the {self.cache_size} of the cache "
                              f"(model.max_len={self.cfg.max_len}); shorten the prompt or lower max_new_tokens")
         width = _bucket(int(lengths.max()), self.cache_size)
@@ -207,50 +207,22 @@ def parse_token_ids(text: str, vocab: int) -> np.ndarray:
     try:
         ids = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise ValueError(f"--ids={text!r}: expected comma-separated integers, e.g. --ids=12,7,301") from None
+        raise UserError(f"--ids={text!r}: expected comma-separated integers, e.g. --ids=12,7,301") from None
     if not ids:
-        raise ValueError("--ids needs at least one token id")
+        raise UserError("--ids needs at least one token id")
     bad = [i for i in ids if not 0 <= i < vocab]
     if bad:
-        raise ValueError(f"--ids: token id {bad[0]} is outside the tokenizer's vocabulary 0..{vocab - 1}")
+        raise UserError(f"--ids: token id {bad[0]} is outside the tokenizer's vocabulary 0..{vocab - 1}")
     return np.asarray(ids, np.int32)
 
 
 def load_run(workdir: str) -> tuple[TransformerLM, Any]:
-    """The model of `workdir`'s latest checkpoint (on the default device) and the run's tokenizer.
-
-    Needs only the run directory and its token cache (the corpus itself is not read). Raises ValueError with one
-    line when something is missing.
-    """
-    from coupled_qk_jax.data.token_cache import cache_key, load_token_cache
+    """The model of `workdir`'s latest checkpoint, on one device, and the run's tokenizer, from the run's own
+    config (training/loop.py's restore helpers, as eval.py and export.py use them)."""
     from coupled_qk_jax.training import loop
-    from coupled_qk_jax.training import optimizer as opt_lib
-    from coupled_qk_jax.training.checkpoint import Checkpointer
-    from coupled_qk_jax.training.steps import init_train_state, split_model
 
-    workdir = os.path.abspath(workdir)
     cfg = loop.saved_run_config(workdir)
-    mcfg = loop.model_config(cfg)
-    # The tokenizer: the token cache entry the run trained from, found by the same key the trainer computed.
-    spec = loop.corpus_spec(cfg.data)
-    key, _ = cache_key(spec, str(cfg.data.tokenizer), mcfg.vocab_size, str(cfg.data.tokenizer_path) or None,
-                       200 << 20)
-    entry = os.path.join(os.path.expanduser(str(cfg.data.cache_dir)), "tokens", f"{spec.kind}-{key}")
-    if not os.path.isdir(entry):
-        raise ValueError(f"the run's token cache {entry} is missing (it holds the tokenizer); rebuild it with "
-                         f"python eval.py --workdir={workdir}")
-    tokenizer = load_token_cache(entry).tokenizer
-    # The parameters: restore the saved train state (its tree needs the optimiser state's shapes) and keep params.
-    abstract_model = nnx.eval_shape(lambda: TransformerLM(mcfg, 0))
-    graphdef, abstract_params = split_model(abstract_model)
-    tx = opt_lib.make_optimizer(abstract_params, cfg.train)
-    abstract_state = jax.eval_shape(lambda p: init_train_state(p, tx), abstract_params)
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), abstract_state)
-    ck = Checkpointer(os.path.join(workdir, "checkpoints"))
-    try:
-        step = ck.latest_step()
-        state = ck.restore(step, target)
-    finally:
-        ck.close()
-    return nnx.merge(graphdef, state["params"]), tokenizer
+    s, state = loop.restore_latest(cfg, workdir)
+    # Generation runs on one device: bring the (possibly mesh-replicated) parameters there.
+    params = jax.device_put(state["params"], jax.devices()[0])
+    return nnx.merge(s.graphdef, params), s.cache.tokenizer
