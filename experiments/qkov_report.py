@@ -129,6 +129,16 @@ def verdict(cell: str, rows: list[dict], ref: dict) -> tuple[str, str]:
             paper.append(f"{lab} {r[k]:g}")
     if "note" in r:
         paper.append(r["note"])
+    if r.get("block100_train_loss"):
+        # The notebooks' printed 100-epoch mean training losses vs ours (seed means over the common blocks).
+        theirs = [np.array([v for _, v in run]) for run in r["block100_train_loss"]]
+        n = min(min(len(t) for t in theirs), min(len(x["block100_train_loss"]) for x in rows))
+        t = np.mean([x[:n] for x in theirs], axis=0)
+        o = np.mean([x["block100_train_loss"][:n] for x in rows], axis=0)
+        k = int(np.argmax(np.abs(o - t)))
+        paper.append(f"100-epoch mean train loss vs ours over {n} blocks: largest gap {o[k] - t[k]:+.3f} at block "
+                     f"{k + 1} ({t[k]:.3f} vs {o[k]:.3f}); first block {t[0]:.3f} vs {o[0]:.3f}, last {t[-1]:.3f} vs "
+                     f"{o[-1]:.3f}")
     paper_text = text + (" — notebook: " + "; ".join(paper) if paper else "")
     if "dtap_percent" in r:
         P = np.array(r["dtap_percent"])
