@@ -12,6 +12,11 @@ MFU. Model FLOPs per step = 6 · params · tokens + 12 · layers · T² · d_mod
 backward). On CPU the denominator is the machine's own matmul roofline: the fp32 FLOP/s of a 2048×2048 @ 2048×2048
 `jnp.dot`, measured inside every round (so it sees the same load as the steps); on GPU/TPU pass `--peak_tflops`.
 
+Scales are configs/lm.py's (tiny, small, 60m, ...) plus the two **peer shapes** of issue 14, sized like a plain
+PyTorch implementation's benchmark: `tiny-peer` and `small-peer` = 4 layers, d_model 128 / 256, 4 heads, T 256,
+batch 8, vocab 8192, LayerNorm, MLP 4·d, f hidden 4·d_head (`--scales tiny-peer,small-peer`; `--batch`/`--seq` and
+variant options still override them).
+
 Variant specs may carry options after a colon, e.g. `coupled_euler:n_steps=7:scan_unroll=7` or
 `standard:remat=dots`; any ModelConfig field can be set this way (values are parsed as Python literals).
 
@@ -51,6 +56,23 @@ from coupled_qk_jax.training.steps import init_train_state, make_train_step, spl
 
 
 # ---------------------------------------------------------------------------------------------------------- helpers
+# name: (d_model, batch); every peer shape has 4 layers, 4 heads, T 256, vocab 8192, LayerNorm, MLP 4·d, f 4·d_head.
+PEER_SHAPES = {"tiny-peer": (128, 8), "small-peer": (256, 8)}
+
+
+def scale_config(variant: str, scale: str):
+    """configs/lm.py's config of (variant, scale), or of a peer shape (built on `tiny`'s training settings)."""
+    if scale not in PEER_SHAPES:
+        return lm.get_config(f"{variant},{scale}")
+    d_model, batch = PEER_SHAPES[scale]
+    cfg = lm.get_config(f"{variant},tiny")
+    cfg.scale = scale
+    cfg.model.update(d_model=d_model, n_layers=4, n_heads=4, d_ff=4 * d_model, vocab_size=8192, max_len=256,
+                     norm="layernorm", coupling_hidden=4 * (d_model // 4))
+    cfg.train.batch_size = batch
+    return cfg
+
+
 def parse_variant_spec(spec: str) -> tuple[str, dict[str, Any]]:
     """'coupled_euler:n_steps=7:scan_unroll=7' -> ('coupled_euler', {'n_steps': 7, 'scan_unroll': 7})."""
     name, *opts = spec.split(":")
@@ -136,7 +158,7 @@ class Case:
     def __init__(self, spec: str, scale: str, args: argparse.Namespace, seeds: int = 0):
         self.spec, self.scale = spec, scale
         variant, overrides = parse_variant_spec(spec)
-        cfg = lm.get_config(f"{variant},{scale}")
+        cfg = scale_config(variant, scale)
         model_fields = dict(cfg.model)
         for name in ("n_steps", "scan_unroll", "remat", "dtype", "attention_impl"):
             value = getattr(args, name)
@@ -296,6 +318,7 @@ def make_records(scale: str, cases: dict[str, Any], args: argparse.Namespace, ro
             "params": c.n_params, "batch": c.batch, "seq": c.seq,
             "n_steps": c.cfg.n_steps, "scan_unroll": c.cfg.scan_unroll, "remat": c.cfg.remat,
             "dtype": c.cfg.dtype, "coupling_lowering": getattr(c.cfg, "coupling_lowering", None),
+            "dynamics_backward": c.cfg.dynamics_backward,
             "backend": backend, "device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
             "load_median": statistics.median(c.loads), "load_max": max(c.loads), "final_loss": c.last_loss,
         })
@@ -321,7 +344,7 @@ def markdown(records: list[dict], command: str) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--scales", default="tiny")
+    ap.add_argument("--scales", default="tiny", help=f"configs/lm.py scales and/or {', '.join(PEER_SHAPES)}")
     ap.add_argument("--variants", default="standard,coupled_euler,coupled_leapfrog,mlp_only,differential")
     ap.add_argument("--out", default="bench_attention.json")
     ap.add_argument("--md", default=None, help="Markdown output (default: --out with .md)")

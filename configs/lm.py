@@ -66,6 +66,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         per_head_params=False,
         scan_unroll=1,
         coupling_lowering="batched",  # "batched" (one matmul over heads) | "vmap" (over heads); same maths
+        dynamics_backward="reversible",  # "reversible" (no per-step residuals) | "autodiff"; same gradients
         affine_hidden=3 * head_dim // 4,
         affine_pairs=1,
         positions="learned",

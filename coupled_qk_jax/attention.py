@@ -249,14 +249,13 @@ class CausalSelfAttention(nnx.Module):
             mlp = self.coupling if cfg.coupling_scope == "layer" else shared_coupling
             if mlp is None:
                 raise ValueError("model.coupling_scope='shared' needs the model's shared coupling MLP")
-            dt = self.dt[...].astype(q.dtype)
-            args = (dt, mlp.params(q.dtype), cfg.n_steps, DYNAMICS_METHOD[transform])
-            if cfg.coupling_lowering == "batched":
-                return dynamics.evolve_heads_batched(q, k, *args, unroll=cfg.scan_unroll, head_axis=head_axis,
-                                                     per_head_params=cfg.per_head_params)
-            if head_axis != 2:  # evolve_heads' public layout is [B, T, H, d]
+            # Δt stays float32: dynamics.py forms Δt·k in float32 (issue 12).
+            args = (self.dt[...], mlp.params(q.dtype), cfg.n_steps, DYNAMICS_METHOD[transform])
+            kwargs = dict(per_head_params=cfg.per_head_params, unroll=cfg.scan_unroll, backward=cfg.dynamics_backward)
+            evolve = dynamics.evolve_heads_batched if cfg.coupling_lowering == "batched" else dynamics.evolve_heads
+            if head_axis != 2:  # the dynamics take [..., H, d]
                 q, k = jnp.swapaxes(q, 1, 2), jnp.swapaxes(k, 1, 2)
-            q, k = dynamics.evolve_heads(q, k, *args, per_head_params=cfg.per_head_params, unroll=cfg.scan_unroll)
+            q, k = evolve(q, k, *args, **kwargs)
             return (q, k) if head_axis == 2 else (jnp.swapaxes(q, 1, 2), jnp.swapaxes(k, 1, 2))
         if transform == "affine":
             return invertible.affine_forward(self.affine.params(q.dtype), q, k)

@@ -61,6 +61,9 @@ class ModelConfig:
     # How f is applied over heads: "batched" (one matmul over all heads; the faster, see benchmarks/NOTES.md) or
     # "vmap" (dynamics.evolve_heads, jax.vmap over the head axis). The same maths either way.
     coupling_lowering: str = "batched"
+    # Backward pass of the dynamics (dynamics.integrate): "reversible" keeps no per-step residuals (leapfrog
+    # integrates backwards, the others recompute their steps), "autodiff" keeps the plain scan's. Same gradients.
+    dynamics_backward: str = "reversible"
     # Affine invertible coupling.
     affine_hidden: int = 24
     affine_pairs: int = 1
@@ -102,6 +105,7 @@ class ModelConfig:
         choices = {"coupling_scope": ("layer", "shared"), "positions": ("learned", "rope", "none"),
                    "norm": ("rmsnorm", "layernorm"), "dtype": ("float32", "bfloat16", "float16"),
                    "remat": ("none", "full", "dots", "nothing_saveable"), "coupling_lowering": ("batched", "vmap"),
+                   "dynamics_backward": ("reversible", "autodiff"),
                    "attention_impl": ("auto", "explicit", "xla", "cudnn")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:

@@ -17,8 +17,25 @@ The MLP-only ablation ("uncoupled") applies the same f to q and to k separately,
     q' = q + dt * f(q)
     k' = k + dt * f(k)
 
-Every function works on arrays with any leading axes; `evolve_heads` maps over the head axis of [B, T, H, d_head]
-tensors with `jax.vmap`, and `integrate` takes its n steps with `jax.lax.scan` (n is static).
+Layout: every function takes q, k of shape [..., H, d] (heads on axis −2, the layer's [B, T, H, d_head]), Δt of
+shape [H] and, with per-head params, f's params stacked on a leading H axis. `integrate` takes its n steps with
+`jax.lax.scan` (n is static); `evolve_heads` maps over heads with `jax.vmap`, `evolve_heads_batched` applies f to all
+heads at once.
+
+Precision. Δt stays float32 and every update x + Δt·y is computed in float32 and rounded once to the compute dtype
+(`_axpy`), so under bf16 Δt·k is never formed in bf16 and the gradient of Δt (a sum over B·T·d_head products per
+head) is a float32 sum.
+
+Backward pass (`backward=`, `model.dynamics_backward`):
+- "autodiff": reverse-mode through the plain scan; XLA keeps every step's residuals (q, f's hidden layer, k, f(q))
+  from the forward until the backward, so memory grows with n.
+- "reversible": nothing per step is kept. Leapfrog is time-reversible, so its custom VJP (`_leapfrog_reversible`)
+  rebuilds the states by integrating backwards from (q_n, k_n), one f evaluation per step. The rebuilt states drift
+  from the forward's by rounding only: measured at the tiny layer's shape with n = 7, an RMS of 0.5 units of the
+  dtype's epsilon in float32 and in bfloat16, which adds less gradient error than the dtype's own rounding does
+  (benchmarks/NOTES.md). Euler and the uncoupled ablation are not explicitly invertible: they recompute their
+  states in the backward pass (`jax.checkpoint` of the scan), so their per-step residuals exist only while their
+  own layer's backward runs. Both cost n extra evaluations of f in the backward pass.
 """
 
 from __future__ import annotations
@@ -34,6 +51,7 @@ Force = Callable[[Array], Array]
 StepFn = Callable[[Array, Array, Array, Force], tuple[Array, Array]]
 
 METHODS = ("euler", "leapfrog", "uncoupled")
+BACKWARDS = ("reversible", "autodiff")
 
 
 def coupling_mlp(params: Mapping[str, Array], x: Array) -> Array:
@@ -45,17 +63,30 @@ def coupling_mlp(params: Mapping[str, Array], x: Array) -> Array:
     return hidden @ params["w2"] + params["b2"]
 
 
+def _acc_dtype(dtype) -> jnp.dtype:
+    """The dtype updates are accumulated in: float32, or float64 for float64 inputs."""
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+def _axpy(x: Array, dt: Array | float, y: Array) -> Array:
+    """x + dt·y computed in float32 (at least) and rounded once to x's dtype.
+
+    Δt·y is never formed in a bf16 compute dtype, and under autodiff the gradient of dt, sum(g·y) over every element,
+    is a float32 sum (issue 12: the bf16 sum gave Δt gradients off by up to 40%)."""
+    acc = _acc_dtype(x.dtype)
+    return (x.astype(acc) + jnp.asarray(dt).astype(acc) * y.astype(acc)).astype(x.dtype)
+
+
 def euler_step(q: Array, k: Array, dt: Array | float, f: Force) -> tuple[Array, Array]:
     """Simultaneous explicit Euler: (q + dt*k, k + dt*f(q)); both updates read the old (q, k)."""
-    return q + dt * k, k + dt * f(q)
+    return _axpy(q, dt, k), _axpy(k, dt, f(q))
 
 
 def leapfrog_step(q: Array, k: Array, dt: Array | float, f: Force) -> tuple[Array, Array]:
     """Kick-drift-kick leapfrog. Volume preserving and time reversible for any f (f depends on q only)."""
-    k_half = k + 0.5 * dt * f(q)
-    q_new = q + dt * k_half
-    k_new = k_half + 0.5 * dt * f(q_new)
-    return q_new, k_new
+    k_half = _axpy(k, 0.5 * dt, f(q))
+    q_new = _axpy(q, dt, k_half)
+    return q_new, _axpy(k_half, 0.5 * dt, f(q_new))
 
 
 def uncoupled_step(q: Array, k: Array, dt: Array | float, f: Force) -> tuple[Array, Array]:
@@ -63,7 +94,7 @@ def uncoupled_step(q: Array, k: Array, dt: Array | float, f: Force) -> tuple[Arr
 
     f(q) and f(k) stay two calls: one call on jnp.stack([q, k]) was measured 2-5x slower on CPU (the stack copies q
     and k, and its transpose copies the gradients back out; benchmarks/NOTES.md)."""
-    return q + dt * f(q), k + dt * f(k)
+    return _axpy(q, dt, f(q)), _axpy(k, dt, f(k))
 
 
 STEP_FUNCTIONS: dict[str, StepFn] = {
@@ -73,11 +104,13 @@ STEP_FUNCTIONS: dict[str, StepFn] = {
 }
 
 
-def _check(method: str, n_steps: int) -> StepFn:
+def _check(method: str, n_steps: int, backward: str = "autodiff") -> StepFn:
     if method not in STEP_FUNCTIONS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     if not isinstance(n_steps, int) or isinstance(n_steps, bool) or n_steps < 1:
         raise ValueError(f"n_steps must be a Python int >= 1, got {n_steps!r}")
+    if backward not in BACKWARDS:
+        raise ValueError(f"backward must be one of {BACKWARDS}, got {backward!r}")
     return STEP_FUNCTIONS[method]
 
 
@@ -89,19 +122,47 @@ def integrate(
     n_steps: int,
     method: str,
     unroll: int | bool = 1,
+    backward: str = "reversible",
 ) -> tuple[Array, Array]:
     """Take `n_steps` steps of `method` with `jax.lax.scan` (never a Python loop).
 
-    q, k: [..., d]; dt: a scalar (or anything broadcastable against q); n_steps: static int >= 1.
+    q, k: [..., d]; dt: a scalar (or anything broadcastable against q; kept in float32); n_steps: static int >= 1.
     `unroll` is passed to `lax.scan`: unrolling a small static n lets XLA fuse across steps (see benchmarks/NOTES.md).
+    `backward`: "reversible" (no per-step residuals; see the module docstring) or "autodiff" (the plain scan's).
+    Both give the same gradients up to float rounding (tests/test_dynamics.py); forward-mode autodiff (jax.jvp,
+    jax.jacfwd) needs "autodiff", since a custom VJP has no JVP rule.
+    """
+    _check(method, n_steps, backward)
+    dt = jnp.asarray(dt).astype(_acc_dtype(q.dtype))
+    if backward == "autodiff":
+        return _scan(q, k, dt, f, n_steps, method, unroll)
+    if method == "leapfrog":
+        f_flat, f_consts = jax.closure_convert(f, q)  # f's params become explicit arguments of the custom VJP
+        return _leapfrog_reversible(f_flat, n_steps, unroll, q, k, dt, *f_consts)
+    # Not invertible: keep only the inputs, recompute the steps in the backward pass.
+    return jax.checkpoint(lambda q, k, dt: _scan(q, k, dt, f, n_steps, method, unroll))(q, k, dt)
+
+
+def _scan(q: Array, k: Array, dt: Array, f: Force, n_steps: int, method: str,
+          unroll: int | bool) -> tuple[Array, Array]:
+    """The forward map: n steps of `method` in one lax.scan.
 
     Leapfrog is evaluated with n + 1 force evaluations instead of 2n: the closing half-kick of step i and the opening
     half-kick of step i+1 both use f(q_{i+1}), so that value is computed once and carried through the scan. The ops
     applied to (q, k) are exactly those of `leapfrog_step` in the same order (the same map, not an approximation).
     """
-    step = _check(method, n_steps)
-    if method == "leapfrog" and n_steps > 1:
-        return _integrate_leapfrog_fused(q, k, dt, f, n_steps, unroll)
+    if method == "leapfrog":
+        def body(carry, _):
+            q, k, fq = carry
+            k_half = _axpy(k, 0.5 * dt, fq)
+            q_new = _axpy(q, dt, k_half)
+            fq_new = f(q_new)
+            return (q_new, _axpy(k_half, 0.5 * dt, fq_new), fq_new), None
+
+        (q, k, _), _ = jax.lax.scan(body, (q, k, f(q)), None, length=n_steps, unroll=unroll)
+        return q, k
+
+    step = STEP_FUNCTIONS[method]
 
     def body(carry, _):
         return step(carry[0], carry[1], dt, f), None
@@ -110,31 +171,84 @@ def integrate(
     return q, k
 
 
-def _integrate_leapfrog_fused(q: Array, k: Array, dt: Array | float, f: Force, n_steps: int,
-                              unroll: int | bool) -> tuple[Array, Array]:
-    """n leapfrog steps with n + 1 evaluations of f: the scan carries f(q) of the current position."""
-
-    def body(carry, _):
-        q, k, fq = carry
-        k_half = k + 0.5 * dt * fq
-        q_new = q + dt * k_half
-        fq_new = f(q_new)
-        return (q_new, k_half + 0.5 * dt * fq_new, fq_new), None
-
-    (q, k, _), _ = jax.lax.scan(body, (q, k, f(q)), None, length=n_steps, unroll=unroll)
-    return q, k
+# ------------------------------------------------------------------------------- leapfrog's reversible backward pass
+def _sum_to(x: Array, shape: tuple[int, ...]) -> Array:
+    """Sum x over the axes along which an array of `shape` was broadcast to x's shape (the transpose of broadcast)."""
+    lead = x.ndim - len(shape)
+    axes = tuple(range(lead)) + tuple(lead + i for i, s in enumerate(shape) if s == 1 and x.shape[lead + i] != 1)
+    return jnp.sum(x, axis=axes).reshape(shape)
 
 
-def _check_heads(q: Array, k: Array, dt: Array, method: str, n_steps: int, head_axis: int = 2) -> int:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _leapfrog_reversible(f: Callable, n_steps: int, unroll: int | bool, q: Array, k: Array, dt: Array,
+                         *f_consts: Array) -> tuple[Array, Array]:
+    """n leapfrog steps whose VJP stores nothing per step. f(x, *f_consts) is the closure-converted force."""
+    return _scan(q, k, dt, lambda x: f(x, *f_consts), n_steps, "leapfrog", unroll)
+
+
+def _leapfrog_reversible_fwd(f, n_steps, unroll, q, k, dt, *f_consts):
+    q_n, k_n = _leapfrog_reversible(f, n_steps, unroll, q, k, dt, *f_consts)
+    return (q_n, k_n), (q_n, k_n, dt, f_consts)
+
+
+def _leapfrog_reversible_bwd(f, n_steps, unroll, residuals, cotangents):
+    """Walk the steps backwards, rebuilding (q_i, k_i, F_i = f(q_i)) from (q_{i+1}, k_{i+1}, F_{i+1}).
+
+    Step i: kh = k_i + Δt/2·F_i; q_{i+1} = q_i + Δt·kh; k_{i+1} = kh + Δt/2·F_{i+1}. F_i feeds the opening kick of step
+    i and the closing kick of step i-1, and the cotangents of kh and k_i are equal, so F_i's cotangent is Δt·ḡk_i
+    (Δt/2·ḡk_i for F_0 and F_n, which feed one kick each). One f evaluation and one f VJP per step, inside one scan
+    body, so XLA fuses f's forward and backward element-wise work; Δt's and f's gradients accumulate in float32.
+    """
+    q, k, dt, f_consts = residuals
+    gq, gk = cotangents
+    acc = _acc_dtype(q.dtype)
+    half = 0.5 * dt
+
+    def force_vjp(x, g_force):  # F = f(x) and the pullback of g_force to (x, f_consts)
+        force, pullback = jax.vjp(f, x, *f_consts)
+        gx, *g_consts = pullback(g_force.astype(force.dtype))
+        return force, gx, g_consts
+
+    def dot_dt(a, b):  # ∂/∂Δt contributions: a float32 sum to Δt's shape
+        return _sum_to(a.astype(acc) * b.astype(acc), dt.shape)
+
+    # F_n = f(q_n) feeds only the last closing kick.
+    force, gq_f, g_consts = force_vjp(q, half * gk.astype(acc))
+    gq = gq + gq_f
+    g_dt = 0.5 * dot_dt(gk, force)
+    g_consts = [g.astype(acc) for g in g_consts]
+
+    def body(carry, kick_weight):
+        q, k, force, gq, gk, g_dt, g_consts = carry  # state i+1; gq includes the path through F_{i+1}
+        k_half = _axpy(k, -half, force)
+        q = _axpy(q, -dt, k_half)
+        g_half = _axpy(gk, dt, gq)  # ḡ(kh): from k_{i+1} = kh + ... and from q_{i+1} = q_i + Δt·kh
+        g_dt = g_dt + dot_dt(gq, k_half)
+        force, gq_f, g_step = force_vjp(q, kick_weight * dt * g_half.astype(acc))
+        k = _axpy(k_half, -half, force)
+        g_dt = g_dt + kick_weight * dot_dt(g_half, force)
+        g_consts = [a + b.astype(acc) for a, b in zip(g_consts, g_step)]
+        return (q, k, force, gq + gq_f, g_half, g_dt, g_consts), None
+
+    # Steps n-1 .. 0; F_0 feeds only the first opening kick (weight 1/2).
+    weights = jnp.array([1.0] * (n_steps - 1) + [0.5], acc)
+    carry = (q, k, force, gq, gk, g_dt, g_consts)
+    (_, _, _, gq, gk, g_dt, g_consts), _ = jax.lax.scan(body, carry, weights, unroll=unroll)
+    return (gq, gk, g_dt, *[g.astype(c.dtype) for g, c in zip(g_consts, f_consts)])
+
+
+_leapfrog_reversible.defvjp(_leapfrog_reversible_fwd, _leapfrog_reversible_bwd)
+
+
+# --------------------------------------------------------------------------------------------------- over the heads
+def _check_heads(q: Array, k: Array, dt: Array, method: str, n_steps: int, backward: str) -> int:
     """Validate the per-head inputs shared by both lowerings; return the head count."""
-    _check(method, n_steps)
-    if head_axis not in (1, 2):
-        raise ValueError(f"head_axis must be 1 or 2, got {head_axis}")
-    if q.ndim != 4 or q.shape != k.shape:
-        raise ValueError(f"q and k must both be [B, T, H, d_head] (or [B, H, T, d_head]); got {q.shape}, {k.shape}")
-    n_heads = q.shape[head_axis]
-    if dt.shape != (n_heads,):
-        raise ValueError(f"dt must have shape [H]=({n_heads},), got {dt.shape}")
+    _check(method, n_steps, backward)
+    if q.ndim < 2 or q.shape != k.shape:
+        raise ValueError(f"q and k must both be [..., H, d_head] (e.g. [B, T, H, d_head]); got {q.shape}, {k.shape}")
+    n_heads = q.shape[-2]
+    if jnp.shape(dt) != (n_heads,):
+        raise ValueError(f"dt must have shape [H]=({n_heads},), got {jnp.shape(dt)}")
     return n_heads
 
 
@@ -147,19 +261,21 @@ def evolve_heads(
     method: str,
     per_head_params: bool = False,
     unroll: int | bool = 1,
+    backward: str = "reversible",
 ) -> tuple[Array, Array]:
     """Evolve every head's (q, k) with its own Δt, mapping `jax.vmap` over the head axis.
 
-    q, k: [B, T, H, d_head]; dt: [H]; params: coupling-MLP params (see `coupling_mlp`), shared by all heads, or with
-    a leading H axis on every leaf when `per_head_params=True`. Returns (q_n, k_n), both [B, T, H, d_head].
+    q, k: [B, T, H, d_head] (any [..., H, d_head]); dt: [H]; params: coupling-MLP params (see `coupling_mlp`), shared
+    by all heads, or with a leading H axis on every leaf when `per_head_params=True`. Returns (q_n, k_n), both
+    [B, T, H, d_head]. `backward`: see `integrate`.
     """
-    _check_heads(q, k, dt, method, n_steps)
+    _check_heads(q, k, dt, method, n_steps, backward)
 
     def one_head(q_h, k_h, dt_h, params_h):
-        return integrate(q_h, k_h, dt_h, functools.partial(coupling_mlp, params_h), n_steps, method, unroll)
+        return integrate(q_h, k_h, dt_h, functools.partial(coupling_mlp, params_h), n_steps, method, unroll, backward)
 
     params_axis = 0 if per_head_params else None
-    return jax.vmap(one_head, in_axes=(2, 2, 0, params_axis), out_axes=(2, 2))(q, k, dt, params)
+    return jax.vmap(one_head, in_axes=(-2, -2, 0, params_axis), out_axes=(-2, -2))(q, k, dt, params)
 
 
 def coupling_mlp_heads(params: Mapping[str, Array], x: Array) -> Array:
@@ -180,24 +296,17 @@ def evolve_heads_batched(
     method: str,
     unroll: int | bool = 1,
     per_head_params: bool = False,
-    head_axis: int = 2,
+    backward: str = "reversible",
 ) -> tuple[Array, Array]:
     """Same maths as `evolve_heads`, written as one batched matmul over all heads instead of a vmap over heads.
 
-    Δt broadcasts over the head axis ([H] -> [H, 1]), so f runs once on the whole [B, T, H, d_head] tensor (with
-    per-head params: one einsum batched over H). head_axis=1 takes the heads-major layout [B, H, T, d_head] that the
-    attention layer's explicit path uses. This is the layer's default lowering (`model.coupling_lowering`);
-    benchmarks/NOTES.md compares the two.
+    q, k: [..., H, d_head]; dt: [H] broadcasts over the head axis ([H] -> [H, 1]), so f runs once on the whole
+    tensor (with per-head params: one einsum batched over H). This is the layer's default lowering
+    (`model.coupling_lowering`); benchmarks/NOTES.md compares the two.
     """
-    n_heads = _check_heads(q, k, dt, method, n_steps, head_axis)
-    if per_head_params and head_axis == 1:  # coupling_mlp_heads wants heads next to the feature axis
-        q, k = evolve_heads_batched(jnp.swapaxes(q, 1, 2), jnp.swapaxes(k, 1, 2), dt, params, n_steps, method,
-                                    unroll, per_head_params=True)
-        return jnp.swapaxes(q, 1, 2), jnp.swapaxes(k, 1, 2)
-    mlp = coupling_mlp_heads if per_head_params else coupling_mlp
-    f = functools.partial(mlp, params)
-    dt_b = dt.reshape((n_heads,) + (1,) * (q.ndim - 1 - head_axis)).astype(q.dtype)
-    return integrate(q, k, dt_b, f, n_steps, method, unroll)
+    n_heads = _check_heads(q, k, dt, method, n_steps, backward)
+    f = functools.partial(coupling_mlp_heads if per_head_params else coupling_mlp, params)
+    return integrate(q, k, jnp.reshape(dt, (n_heads, 1)), f, n_steps, method, unroll, backward)
 
 
 def init_coupling_params(key: Array, d: int, hidden: int, dtype=jnp.float32, zero_output: bool = True) -> dict:
