@@ -51,6 +51,7 @@ import numpy as np  # noqa: E402
 from configs import lm  # noqa: E402
 from coupled_qk_jax.config import ModelConfig  # noqa: E402
 from coupled_qk_jax.model import TransformerLM, count_params  # noqa: E402
+from coupled_qk_jax.training.observe import model_flops_per_step  # noqa: E402  (the training loop's MFU too)
 from coupled_qk_jax.training.optimizer import make_optimizer  # noqa: E402
 from coupled_qk_jax.training.steps import init_train_state, make_train_step, split_model  # noqa: E402
 
@@ -115,11 +116,6 @@ def compiled_mem_mb(compiled) -> float | None:
     total = (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
              - getattr(m, "alias_size_in_bytes", 0))
     return total / 2**20
-
-
-def model_flops_per_step(n_params: int, cfg: ModelConfig, batch: int, seq: int) -> float:
-    """6·N·tokens + 12·layers·T²·d_model·batch (the issue's definition; forward + backward)."""
-    return 6.0 * n_params * batch * seq + 12.0 * cfg.n_layers * seq * seq * cfg.d_model * batch
 
 
 class Roofline:
