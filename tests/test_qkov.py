@@ -453,3 +453,25 @@ def test_fixed_attention_pooled_parts_match_the_model_path():
         want = qmodel.fixed_attention_loss_fn(params, jnp.asarray(x), y, a)
         got = qmodel.cross_entropy(qmodel.readout_pooled(params, a * p_rel + (1 - a) * p_rest), y)
         np.testing.assert_allclose(float(got), float(want), rtol=1e-5)
+
+
+def test_report_welch_interval_and_verdict_rules():
+    sys.path.insert(0, os.path.join(REPO, "experiments"))
+    import qkov_report as rep
+
+    # a = [1, 2, 3], b = [0, 0, 0]: difference 2, se = sqrt(1/3), Welch dof = 2, t_0.975(2) = 4.302653 (tables).
+    d, lo, hi = rep.welch([1.0, 2.0, 3.0], [0.0, 0.0, 0.0])
+    h = 4.302653 * math.sqrt(1 / 3)
+    assert d == pytest.approx(2.0) and lo == pytest.approx(2 - h, rel=1e-5) and hi == pytest.approx(2 + h, rel=1e-5)
+    assert math.isnan(rep.welch([1.0], [0.0, 1.0])[1])
+    P = np.zeros((5, 5))
+    P[4, 4] = 90.0
+    P[3, 4] = 10.0
+    ref = {"cells": {"faco_r1": {"dtap_percent": P.tolist()}}}
+    same = {"dtap_percent": (0.8 * P + 0.2 * np.roll(P, -1, axis=0)).tolist(), "acc": 100.0}
+    moved = {"dtap_percent": np.roll(P, -2, axis=0).tolist(), "acc": 100.0}
+    assert rep.verdict("faco_r1", [same], ref)[0].startswith("**reproduces** (TV 18.0%)")
+    assert rep.verdict("faco_r1", [moved], ref)[0].startswith("**does not reproduce**")
+    weak = {"dtap_percent": np.roll(P, -3, axis=0).tolist(), "acc": 100.0}  # mode at mass [0.2, 0.4)
+    assert rep.verdict("fafo_r20", [weak], {"cells": {}})[0] == "**does not reproduce** (claim)"
+    assert rep.verdict("fafo_r1", [weak], {"cells": {}})[0] == "**reproduces** (claim)"
