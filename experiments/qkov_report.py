@@ -334,6 +334,31 @@ def compute_spent(out: str, runs: dict) -> dict[str, tuple[float, bool]]:
     return {k: (v[0], v[1]) for k, v in spent.items()}
 
 
+def remaining_estimate(runs: dict) -> str:
+    """CPU-minutes still to spend, from the measured CPU time per seed-step of the finished jobs (seq_len 128 steps
+    are scaled by the measured ratio if available, else counted as 2 seq_len-64 steps). Upper bound: every seed
+    is counted at its full budget although the early stop may end it sooner."""
+    rate = {}
+    for cell, rows in runs.items():
+        for r in rows:
+            if "job_cpu_seconds" in r and not r.get("job_resumed", True):
+                T = r["train_config"]["seq_len"]
+                steps = max(x["steps"] for x in rows if x["job_seeds"] == r["job_seeds"])
+                rate.setdefault(T, []).append(r["job_cpu_seconds"] / (steps * len(r["job_seeds"])))
+    if 64 not in rate:
+        return "no finished job with a complete CPU record yet"
+    r64 = float(np.median(rate[64]))
+    r128 = float(np.median(rate[128])) if 128 in rate else 2 * r64
+    todo = 0.0
+    for cell in synth.CELLS:
+        cfg = synth.cell_config(cell)
+        n_left = len(cfg.seeds) - len(runs[cell])
+        todo += n_left * cfg.n_epochs * cfg.batches_per_epoch * (r128 if cfg.seq_len == 128 else r64)
+    return (f"measured {1e3 * r64:.2f} ms CPU per seed-step at seq_len 64"
+            + (f" and {1e3 * r128:.2f} at 128" if 128 in rate else "")
+            + f"; the unfinished Figure-2 seeds need at most {todo / 60:.0f} CPU-minutes more")
+
+
 def md_table(rows: list[dict], cols: list[str]) -> str:
     s = "| " + " | ".join(cols) + " |\n|" + "---|" * len(cols) + "\n"
     for r in rows:
@@ -428,6 +453,7 @@ def main(argv=None) -> int:
                  "after a kill), so its figure is approximate.\n\n")
         for k, (m, complete) in compute_spent(args.out, runs).items():
             fh.write(f"- {k}: {m:.1f}{'' if complete else ' *'}\n")
+        fh.write(f"\nStill to run: {remaining_estimate(runs)} (Figure 3 not included).\n")
     print(f"wrote {args.out}/synthetic.md, comparisons.md, fixed_attention.md")
     return 0
 
