@@ -68,11 +68,33 @@ class Sampling:
         return self.temperature == 0
 
 
+def _ordered_keys(x: Array) -> Array:
+    """float32 -> uint32 with the same order (the sign bit flipped for x >= 0, every bit for x < 0)."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    return jnp.where((bits >> 31) == 1, ~bits, bits | jnp.uint32(0x80000000))
+
+
+def _cutoff(keys: Array, enough) -> Array:
+    """Per row of keys [B, V], the largest t for which enough(t [B, 1]) -> bool [B] holds, where enough is true at the
+    row's smallest key and stays false once false (a monotone predicate): 32 bisection steps over uint32.
+
+    This is how top-k and top-p find their cut-off value: on CPU, lax.top_k and sort of [8, 16384] logits cost about
+    8x these 32 masked reductions (and more than the rest of a `small` decode step)."""
+    def body(_, bounds):
+        lo, hi = bounds
+        mid = lo + (hi - lo) // 2 + ((hi - lo) & 1)  # ceil midpoint, no uint32 overflow
+        ok = enough(mid[:, None])
+        return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid - 1)
+
+    return jax.lax.fori_loop(0, 32, body, (keys.min(axis=-1), keys.max(axis=-1)))[0][:, None]
+
+
 def sample_logits(logits: Array, key: Array, sampling: Sampling, vocab_limit: int) -> Array:
     """Draw one token per row. logits: float [B, V]; ids >= vocab_limit are never drawn. Returns int32 [B].
 
-    Top-k and top-p keep every token whose logit ties the cut-off value (so with exact ties slightly more than k
-    tokens, or than the nucleus, may stay in)."""
+    Top-k keeps the tokens whose logit is at least the k-th largest; top-p the smallest set of most likely tokens
+    whose probability reaches top_p, i.e. those at or above the largest cut-off that still leaves top_p of the mass.
+    Tokens tied with a cut-off are kept, so with exact ties slightly more than k tokens (or than the nucleus) stay."""
     neg = jnp.finfo(jnp.float32).min
     logits = logits.astype(jnp.float32)
     logits = jnp.where(jnp.arange(logits.shape[-1]) < vocab_limit, logits, neg)
@@ -80,15 +102,13 @@ def sample_logits(logits: Array, key: Array, sampling: Sampling, vocab_limit: in
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     logits = logits / sampling.temperature
     if sampling.top_k and sampling.top_k < vocab_limit:
-        kth = jax.lax.top_k(logits, sampling.top_k)[0][:, -1:]
-        logits = jnp.where(logits < kth, neg, logits)
+        keys = _ordered_keys(logits)
+        t = _cutoff(keys, lambda t: jnp.sum(keys >= t, axis=-1) >= sampling.top_k)
+        logits = jnp.where(keys >= t, logits, neg)
     if sampling.top_p < 1.0:
-        ordered = jnp.sort(logits, axis=-1)[:, ::-1]  # descending
-        probs = jax.nn.softmax(ordered, axis=-1)
-        # Token i (in descending order) is kept when the mass before it is still short of top_p: the first always is.
-        keep = (jnp.cumsum(probs, axis=-1) - probs) < sampling.top_p
-        cutoff = jnp.min(jnp.where(keep, ordered, jnp.inf), axis=-1, keepdims=True)
-        logits = jnp.where(logits < cutoff, neg, logits)
+        keys, probs = _ordered_keys(logits), jax.nn.softmax(logits, axis=-1)
+        t = _cutoff(keys, lambda t: jnp.sum(jnp.where(keys >= t, probs, 0.0), axis=-1) >= sampling.top_p)
+        logits = jnp.where(keys >= t, logits, neg)
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 

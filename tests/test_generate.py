@@ -300,3 +300,23 @@ def test_parse_token_ids():
         parse_ids("1;2", 10)
     with pytest.raises(ValueError, match="at least one"):
         parse_ids(" ", 10)
+
+
+def test_sampling_cutoffs_on_a_wide_vocabulary():
+    """Top-k and top-p sets on random logits over 3000 ids (negative and positive values), against numpy's sort."""
+    rng = np.random.default_rng(0)
+    logits = rng.normal(0, 3, (4, 3000)).astype(np.float32)
+    reps = np.repeat(logits, 500, axis=0)  # 500 draws per row
+    for sampling in (Sampling(temperature=1.0, top_k=7), Sampling(temperature=4.0, top_p=0.5)):
+        draws = np.asarray(jax.jit(sample_logits, static_argnums=(2, 3))(
+            jnp.asarray(reps), jax.random.key(1), sampling, 3000)).reshape(4, 500)
+        for row in range(4):
+            order = np.argsort(-logits[row].astype(np.float64))
+            if sampling.top_k:
+                allowed = order[:7]
+            else:
+                p = np.exp((logits[row] - logits[row].max()) / 4.0)
+                p = p[order] / p.sum()
+                allowed = order[:int(np.sum(np.cumsum(p) - p < 0.5))]
+            assert set(draws[row]) <= set(allowed), (sampling, row)
+            assert len(allowed) > 1 and len(set(draws[row])) > 1  # a real choice, not a degenerate argmax
