@@ -378,8 +378,8 @@ def main(argv=None) -> int:
         return 2
     ref = json.load(open(ref_path))
     runs = load_runs(args.out)
-    head = (f"Command: `{RESUME}` (runs every study below, in the background: `nohup {RESUME} > "
-            f"runs/qkov/queue.log 2>&1 &`; rerunning it resumes the queue and skips finished seeds). Tables: `python experiments/qkov_report.py --out {args.out}`. Each row gives its commit.\n\n")
+    head = (f"Command: `{RESUME}` (runs every study below; in the background: `mkdir -p runs/qkov && nohup "
+            f"{RESUME} > runs/qkov/queue.log 2>&1 &`; rerunning it resumes the queue and skips finished seeds). Tables: `python experiments/qkov_report.py --out {args.out}`. Each row gives its commit.\n\n")
 
     table = synthetic_table(args.out, args.work, runs, ref)
     cols = ["cell", "config", "param", "init", "qk_rate", "seq_len", "budget", "stop", "paper_seeds", "seeds",
@@ -441,6 +441,21 @@ def main(argv=None) -> int:
                  "gradient-flow ODE (Figure 4) is `ode.csv` / `ode.png` (docs/qkov.md).\n\n"
                  "These runs replace the scaled-down ones (10-25% of the paper's steps) of commit 1254204, "
                  "whose tables are in that commit's docs/results/qkov/synthetic.md and fixed_attention.md.\n\n")
+        fh.write("## State of the queue\n\n")
+        done = [f"{r['cell']} ({r['seeds']})" for r in table if r["seeds_done"]]
+        live = [f"{r['cell']}: {'; '.join(ckpt_epoch(args.work, r['cell']))}" for r in table
+                if ckpt_epoch(args.work, r["cell"])]
+        live += [n for n in notes if "running" in n]
+        todo = [f"{r['cell']} ({r['paper_seeds'] - r['seeds_done']} seed(s))" for r in table
+                if r["seeds_done"] < r["paper_seeds"]]
+        fh.write(f"- Finished (result files under `runs/`): {', '.join(done) or 'none'}; Figure 3: "
+                 f"{', '.join(n.split(':')[0] for n in notes if 'finished' in n) or 'none'}.\n"
+                 f"- Running or interrupted (checkpoint in `runs/qkov/`, not in git): {'; '.join(live) or 'none'}.\n"
+                 f"- Not finished: {', '.join(todo) or 'none'}"
+                 f"{'' if all('finished' in n for n in notes) else '; Figure 3 ' + ', '.join(n.split(':')[0] for n in notes if 'finished' not in n)}.\n"
+                 f"- Resume everything, keeping all finished work: `mkdir -p runs/qkov && nohup {RESUME} > "
+                 f"runs/qkov/queue.log 2>&1 &` from the repository root (a job with a checkpoint in runs/qkov/ "
+                 f"continues from it; without one it restarts).\n\n")
         fh.write("## Verdicts\n\n")
         fh.write(md_table([{"cell": r["cell"], "seeds done": f"{r['seeds_done']}/{r['paper_seeds']}",
                             "distinct mass": r.get("distinct_mass", "-"), "DTAP modal": r.get("dtap_modal", "-"),
