@@ -313,7 +313,7 @@ def make_records(scale: str, cases: dict[str, Any], args: argparse.Namespace, ro
             "ratio_vs_standard_min": (min(c.times) / std_min if std_min and "@" not in name else None),
             "params": c.n_params, "batch": c.batch, "seq": c.seq,
             "n_steps": c.cfg.n_steps, "scan_unroll": c.cfg.scan_unroll, "remat": c.cfg.remat,
-            "dtype": c.cfg.dtype, "coupling_lowering": getattr(c.cfg, "coupling_lowering", None),
+            "dtype": c.cfg.dtype,
             "dynamics_backward": c.cfg.dynamics_backward,
             "backend": backend, "device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
             "load_median": statistics.median(c.loads), "load_max": max(c.loads), "final_loss": c.last_loss,

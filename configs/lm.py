@@ -65,7 +65,6 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         coupling_scope="layer",
         per_head_params=False,
         scan_unroll=1,
-        coupling_lowering="batched",  # "batched" (one matmul over heads) | "vmap" (over heads); same maths
         dynamics_backward="reversible",  # "reversible" (no per-step residuals) | "autodiff"; same gradients
         affine_hidden=3 * head_dim // 4,
         affine_pairs=1,
@@ -75,7 +74,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         dropout=0.0,
         dtype="float32",
         remat="none",
-        attention_impl="auto",  # cuDNN where possible, else the explicit causal-block path (benchmarks/NOTES.md)
+        attention_impl="auto",  # cuDNN on GPU, Pallas flash on TPU, else the explicit causal-block path
         attention_chunks=0,  # query blocks of the explicit path; 0 = auto
         init_std=0.02,
     ))

@@ -3,7 +3,8 @@
     x --W_Q,W_K,W_V--> q, k, v  [B, T, H, d_head]
     (q, k) <- QK transform      none | coupled dynamics (dynamics.py) | affine coupling (invertible.py)
     (q, k) <- RoPE              only with positions="rope": the transform runs *before* the rotation
-    o      <- scoring           softmax (cuDNN, or explicit causal query blocks)  |  differential (specs/diffattn.md)
+    o      <- causal_attention  softmax, or differential (specs/diffattn.md) as the mix A1 − λ·A2 of half-heads;
+                                kernel: cuDNN (GPU) | Pallas flash (TPU) | explicit causal query blocks (CPU)
     y      =  o W_O
 
 With differential scoring the H = n_heads projections are read as H/2 differential heads, each made of two
@@ -19,8 +20,6 @@ from __future__ import annotations
 import math
 import warnings
 import zlib
-from typing import Callable
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -58,40 +57,44 @@ def rms_norm(x: Array, scale: Array, eps: float) -> Array:
     return (normed * scale).astype(x.dtype)
 
 
-def apply_rope(x: Array, base: float, seq_axis: int = 1, positions: Array | None = None) -> Array:
-    """Rotary position embedding (rotate-half form) on [B, T, H, d] (or [B, H, T, d] with seq_axis=2), at positions
-    0..T-1, or at the absolute `positions` [B, T] (cached decoding; [B, T, H, d] layout only)."""
-    t, d = x.shape[seq_axis], x.shape[-1]
+def apply_rope(x: Array, base: float, positions: Array | None = None) -> Array:
+    """Rotary position embedding (rotate-half form) on [B, T, H, d], at positions 0..T-1 or at the absolute
+    `positions` [B, T] (cached decoding)."""
+    t, d = x.shape[1], x.shape[-1]
     inv_freq = 1.0 / (base ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
-    if positions is None:
-        angles = jnp.arange(t, dtype=jnp.float32)[:, None] * inv_freq[None, :]  # [T, d/2]
-        shape = [1] * x.ndim
-        shape[seq_axis], shape[-1] = t, d // 2
-    else:
-        angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, d/2]
-        shape = [x.shape[0], t, 1, d // 2]
-    cos = jnp.cos(angles).reshape(shape)
-    sin = jnp.sin(angles).reshape(shape)
+    pos = jnp.arange(t, dtype=jnp.float32) if positions is None else positions.astype(jnp.float32)  # [T] or [B, T]
+    angles = (pos[..., None] * inv_freq)[..., None, :]  # [T, 1, d/2] or [B, T, 1, d/2]
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
     return out.astype(x.dtype)
 
 
-def choose_implementation(requested: str, dtype, head_dim: int) -> str:
-    """cuDNN fused attention when the backend, dtype and head dim allow it; otherwise the explicit chunked-causal path
-    ("auto"), or exactly what was asked for ("xla": jax.nn.dot_product_attention's XLA path, "explicit"). A request
-    for cuDNN that cannot be honoured falls back to "explicit" with a warning."""
-    cudnn_ok = (jax.default_backend() == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
+# -------------------------------------------------------------------------------------------- the attention kernel
+IMPLEMENTATIONS = ("explicit", "xla", "cudnn", "pallas")
+PALLAS_BLOCK = 128  # the Pallas TPU flash kernel's default block: T must be a multiple of it
+
+
+def choose_implementation(requested: str, dtype, head_dim: int, seq_len: int, platform: str | None = None) -> str:
+    """The kernel `causal_attention` runs: "auto" picks cuDNN on GPU in bf16/fp16 (head dim a multiple of 8, at most
+    128), the Pallas flash kernel on TPU (T a multiple of 128), and the explicit query-block path otherwise (CPU).
+    An explicit request is honoured where it can run; a cuDNN or Pallas request that cannot falls back to "explicit"
+    with a warning. `platform` defaults to `jax.default_backend()`."""
+    platform = platform or jax.default_backend()
+    cudnn_ok = (platform == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
                 and head_dim % 8 == 0 and head_dim <= 128)
+    pallas_ok = platform == "tpu" and seq_len % PALLAS_BLOCK == 0
     if requested in ("xla", "explicit"):
         return requested
     if requested == "auto":
-        return "cudnn" if cudnn_ok else "explicit"
-    if not cudnn_ok:
-        warnings.warn(f"attention_impl='cudnn' unavailable (backend={jax.default_backend()}, dtype={jnp.dtype(dtype)}, "
-                      f"head_dim={head_dim}); falling back to 'explicit'", stacklevel=2)
+        return "cudnn" if cudnn_ok else "pallas" if pallas_ok else "explicit"
+    if requested not in IMPLEMENTATIONS:
+        raise ValueError(f"attention_impl must be 'auto' or one of {IMPLEMENTATIONS}, got {requested!r}")
+    if not (cudnn_ok if requested == "cudnn" else pallas_ok):
+        warnings.warn(f"attention_impl={requested!r} unavailable (platform={platform}, dtype={jnp.dtype(dtype)}, "
+                      f"head_dim={head_dim}, seq_len={seq_len}); falling back to 'explicit'", stacklevel=2)
         return "explicit"
-    return "cudnn"
+    return requested
 
 
 def auto_chunks(t: int) -> int:
@@ -113,65 +116,111 @@ def _exp_and_norm(s: Array) -> tuple[Array, Array]:
     return e, 1.0 / jnp.sum(e, axis=-1, keepdims=True)
 
 
-def chunked_causal_attention(q: Array, k: Array, v: Array, scale: float, n_chunks: int = 0,
-                             mix: Callable[[Array], Array] | None = None, heads_major: bool = False) -> Array:
-    """Causal softmax attention computed in query blocks, each against only the keys it can see.
+def causal_attention(q: Array, k: Array, v: Array, mix: Array | None = None, impl: str = "explicit",
+                     n_chunks: int = 0, return_weights: bool = False,
+                     visible: Array | None = None) -> Array | tuple[Array, Array]:
+    """Causal softmax attention with an optional linear mix of the heads' attention matrices.
 
-    q, k: [B, T, H, d]; v: [B, T, Hv, dv]; returns [B, T, Hv, dv] (all [B, H, T, d] with heads_major=True, which
-    saves the layout transposes). `mix` maps fp32 probabilities [B, H, c, S] to [B, Hv, c, S] before the value
-    product (differential attention's A1 − λ·A2); without it Hv must equal H.
+    q, k: [B, T, H, D]; v: [B, T, G, Dv] with G dividing H; returns [B, T, G, Dv]. Scores are scaled by D**-0.5.
+    Head h belongs to value group g = h // (H/G), and
+
+        out[:, :, g] = Σ_{h in g} mix[h] · softmax(q_h k_hᵀ / √D + causal mask) · v_g
+
+    With mix=None, G must equal H (plain multi-head attention). Differential attention is mix = [1, −λ, 1, −λ, ...]
+    over pairs of half-heads with G = H/2 values of width 2D (specs/diffattn.md). The mix is linear, so it is applied
+    to the probabilities before the value product where the probabilities exist (the explicit path: the FLOPs of
+    plain attention) and to the per-head outputs where a fused kernel hides them.
+
+    impl: "explicit" (einsums in causal query blocks, `n_chunks` of them, 0 = auto_chunks), "xla" / "cudnn"
+    (jax.nn.dot_product_attention) or "pallas" (the Pallas TPU flash kernel). return_weights=True (explicit only)
+    also returns the mixed attention matrices [B, G, T, T] in fp32: the diagnostics read them from this same kernel.
+
+    visible: bool [B, T, S] replaces the causal mask for cached decoding (explicit only, one block): k and v then
+    hold a KV cache of S slots, [B, S, H, D] and [B, S, G, Dv], and query t sees the slots where visible[:, t].
+    """
+    b, t, h, d = q.shape
+    g, dv = v.shape[2:]
+    if h % g or (mix is None and g != h):
+        raise ValueError(f"causal_attention: value heads G={g} must divide query heads H={h} (and equal H without "
+                         "a mix)")
+    if mix is not None and mix.shape != (h,):
+        raise ValueError(f"causal_attention: mix must have shape [H]=({h},), got {mix.shape}")
+    if (return_weights or visible is not None) and impl != "explicit":
+        raise ValueError("causal_attention: return_weights and visible need impl='explicit'")
+    if impl == "explicit":
+        return _explicit_attention(q, k, v, mix, n_chunks, return_weights, visible)
+    # Fused kernels take one value per query head of width D: repeat each group's value over its heads, and split a
+    # value wider than D into r = Dv/D "virtual heads" that repeat q and k (specs/diffattn.md §6, form 2).
+    if dv % d:
+        raise ValueError(f"causal_attention: value width {dv} must be a multiple of the head dim {d} for {impl!r}")
+    r = dv // d
+    vh = jnp.repeat(v, h // g, axis=2).reshape(b, t, h * r, d)
+    qh, kh = (jnp.repeat(a, r, axis=2) if r > 1 else a for a in (q, k))
+    o = _fused_attention(qh, kh, vh, impl).reshape(b, t, h, dv)
+    if mix is None:
+        return o
+    o = (o.astype(jnp.float32) * mix[:, None]).reshape(b, t, g, h // g, dv).sum(axis=3)
+    return o.astype(v.dtype)
+
+
+def _explicit_attention(q: Array, k: Array, v: Array, mix: Array | None, n_chunks: int, return_weights: bool,
+                        visible: Array | None = None):
+    """The explicit path: causal query blocks, each scored against only the keys it can see (or one block under
+    the `visible` mask of cached decoding).
 
     Why not jax.nn.dot_product_attention(implementation="xla")? On CPU its fwd+bwd was ~2× slower than this
     (benchmarks/NOTES.md): it scores the full T×T square, and this path also skips the masked upper-triangle blocks.
     Peak [*, T, T]-sized memory is the same as one full score tensor (the blocks partition it).
     """
-    t = q.shape[2] if heads_major else q.shape[1]
-    n = n_chunks or auto_chunks(t)
-    n = max(1, min(n, t))
-    # Heads-major layout: every matmul below is then a plain batch over (B, H) with contiguous [T, d] operands.
-    qt = q * jnp.asarray(scale, q.dtype)
-    kt, vt = k, v
-    if not heads_major:
-        qt, kt, vt = (jnp.swapaxes(a, 1, 2) for a in (qt, kt, vt))
+    b, t, h, d = q.shape
+    g, s_kv = v.shape[2], k.shape[1]
+    n = 1 if visible is not None else max(1, min(n_chunks or auto_chunks(t), t))
+    # Heads-major inside the kernel: every matmul below is a plain batch over (B, H) with contiguous [T, d] operands
+    # (what XLA:CPU's dot emitter wants); the transposes stay here, the layer sees [B, T, H, D].
+    qt = jnp.swapaxes(q * jnp.asarray(d ** -0.5, q.dtype), 1, 2)
+    kt, vt = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
     bounds = [t * i // n for i in range(n + 1)]
-    outs = []
+    outs, weights = [], []
     for lo, hi in zip(bounds[:-1], bounds[1:]):
         if hi == lo:
             continue
-        s = jnp.einsum("bhqd,bhkd->bhqk", qt[:, :, lo:hi], kt[:, :, :hi], preferred_element_type=jnp.float32)
-        visible = (lo + jnp.arange(hi - lo))[:, None] >= jnp.arange(hi)[None, :]
-        e, inv_sum = _exp_and_norm(jnp.where(visible, s, jnp.finfo(jnp.float32).min))
-        if mix is None:
+        if visible is None:  # block [lo, hi) of queries sees keys [0, hi)
+            keys, mask = hi, (lo + jnp.arange(hi - lo))[:, None] >= jnp.arange(hi)[None, :]
+        else:
+            keys, mask = s_kv, visible[:, None]
+        s = jnp.einsum("bhqd,bhkd->bhqk", qt[:, :, lo:hi], kt[:, :, :keys], preferred_element_type=jnp.float32)
+        e, inv_sum = _exp_and_norm(jnp.where(mask, s, jnp.finfo(jnp.float32).min))
+        if mix is None and not return_weights:
             # Deferred normalisation: scale the [c, dv] output rows instead of the [c, S] probabilities (S/dv times
             # fewer multiplies, forward and backward); the same softmax(s)·v up to rounding.
-            o = jnp.einsum("bhqk,bhkd->bhqd", e.astype(v.dtype), vt[:, :, :hi], preferred_element_type=jnp.float32)
+            o = jnp.einsum("bhqk,bhkd->bhqd", e.astype(v.dtype), vt[:, :, :keys], preferred_element_type=jnp.float32)
             outs.append((o * inv_sum).astype(v.dtype))
-        else:
-            p = mix(e * inv_sum)
-            outs.append(jnp.einsum("bhqk,bhkd->bhqd", p.astype(v.dtype), vt[:, :, :hi]))
-    o = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=2)
-    return o if heads_major else jnp.swapaxes(o, 1, 2)
+            continue
+        p = e * inv_sum
+        if mix is not None:  # [B, H, c, S] -> [B, G, c, S]
+            p = (p * mix[:, None, None]).reshape((b, g, h // g) + p.shape[2:]).sum(axis=2)
+        if return_weights:
+            weights.append(jnp.pad(p, ((0, 0), (0, 0), (0, 0), (0, s_kv - keys))))
+        o = jnp.einsum("bhqk,bhkd->bhqd", p.astype(v.dtype), vt[:, :, :keys], preferred_element_type=jnp.float32)
+        outs.append(o.astype(v.dtype))
+    o = jnp.swapaxes(jnp.concatenate(outs, axis=2) if len(outs) > 1 else outs[0], 1, 2)
+    if not return_weights:
+        return o
+    return o, (jnp.concatenate(weights, axis=2) if len(weights) > 1 else weights[0])
 
 
-def cached_attention(q: Array, k: Array, v: Array, visible: Array, scale: float,
-                     mix: Callable[[Array], Array] | None = None) -> Array:
-    """Attention of new queries against a KV cache (cached decoding).
+def _fused_attention(q: Array, k: Array, v: Array, impl: str) -> Array:
+    """One fused causal kernel on [B, T, H, D] (scale D**-0.5): jax.nn.dot_product_attention, or the Pallas TPU
+    flash kernel, which takes [B, H, T, D] (its transposes stay here)."""
+    if impl in ("xla", "cudnn"):
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
+    if impl == "pallas":
+        from jax.experimental.pallas.ops.tpu import flash_attention as pallas_flash  # noqa: PLC0415
 
-    q: [B, T, H, d]; k: [B, S, H, d] and v: [B, S, Hv, dv], the cache's S slots; visible: bool [B, T, S], which slots
-    each query may see. Returns [B, T, Hv, dv]. `mix` as in `chunked_causal_attention`."""
-    s = jnp.einsum("bthd,bshd->bhts", q * jnp.asarray(scale, q.dtype), k, preferred_element_type=jnp.float32)
-    e, inv_sum = _exp_and_norm(jnp.where(visible[:, None], s, jnp.finfo(jnp.float32).min))
-    p = e * inv_sum if mix is None else mix(e * inv_sum)
-    return jnp.einsum("bhts,bshd->bthd", p.astype(v.dtype), v)
-
-
-def causal_softmax(q: Array, k: Array, scale: float) -> Array:
-    """Explicit causal attention probabilities, fp32. q, k: [B, T, H, d] -> [B, H, T, T]."""
-    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) * scale
-    t = q.shape[1]
-    causal = jnp.tril(jnp.ones((t, t), dtype=bool))
-    scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
-    return jax.nn.softmax(scores, axis=-1)
+        qt, kt, vt = (jnp.swapaxes(a, 1, 2) for a in (q, k, v))
+        o = pallas_flash.flash_attention(qt, kt, vt, causal=True, sm_scale=q.shape[-1] ** -0.5)
+        return jnp.swapaxes(o, 1, 2)
+    raise ValueError(f"unknown attention implementation {impl!r}; expected one of {IMPLEMENTATIONS}")
 
 
 # ---------------------------------------------------------------------------------------------------- QK transforms
@@ -240,9 +289,8 @@ class CausalSelfAttention(nnx.Module):
             self.subln_scale = const_param((2 * dh,), 1.0, ("head_dim",))
 
     # -- the QK transform -------------------------------------------------------------------------------------------
-    def transform_qk(self, q: Array, k: Array, shared_coupling: CouplingMLP | None = None,
-                     head_axis: int = 2) -> tuple[Array, Array]:
-        """(q, k) -> the transformed pair; [B, T, H, d] (head_axis=2) or [B, H, T, d] (head_axis=1)."""
+    def transform_qk(self, q: Array, k: Array, shared_coupling: CouplingMLP | None = None) -> tuple[Array, Array]:
+        """(q, k) [B, T, H, d] -> the transformed pair, same shape."""
         cfg = self.cfg
         transform = cfg.qk_transform
         if transform in DYNAMICS_METHOD:
@@ -250,13 +298,9 @@ class CausalSelfAttention(nnx.Module):
             if mlp is None:
                 raise ValueError("model.coupling_scope='shared' needs the model's shared coupling MLP")
             # Δt stays float32: dynamics.py forms Δt·k in float32 (issue 12).
-            args = (self.dt[...], mlp.params(q.dtype), cfg.n_steps, DYNAMICS_METHOD[transform])
-            kwargs = dict(per_head_params=cfg.per_head_params, unroll=cfg.scan_unroll, backward=cfg.dynamics_backward)
-            evolve = dynamics.evolve_heads_batched if cfg.coupling_lowering == "batched" else dynamics.evolve_heads
-            if head_axis != 2:  # the dynamics take [..., H, d]
-                q, k = jnp.swapaxes(q, 1, 2), jnp.swapaxes(k, 1, 2)
-            q, k = evolve(q, k, *args, **kwargs)
-            return (q, k) if head_axis == 2 else (jnp.swapaxes(q, 1, 2), jnp.swapaxes(k, 1, 2))
+            return dynamics.evolve_heads_batched(q, k, self.dt[...], mlp.params(q.dtype), cfg.n_steps,
+                                                 DYNAMICS_METHOD[transform], unroll=cfg.scan_unroll,
+                                                 per_head_params=cfg.per_head_params, backward=cfg.dynamics_backward)
         if transform == "affine":
             return invertible.affine_forward(self.affine.params(q.dtype), q, k)
         return q, k
@@ -268,102 +312,50 @@ class CausalSelfAttention(nnx.Module):
         return jnp.exp(dot1) - jnp.exp(dot2) + self.lambda_init
 
     # -- scoring ----------------------------------------------------------------------------------------------------
-    def _softmax_scores(self, q, k, v, impl: str, heads_major: bool = False) -> Array:
-        if impl == "explicit":
-            return chunked_causal_attention(q, k, v, q.shape[-1] ** -0.5, self.cfg.attention_chunks,
-                                            heads_major=heads_major)
-        if heads_major:
-            q, k, v = (jnp.swapaxes(a, 1, 2) for a in (q, k, v))
-            return jnp.swapaxes(jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl), 1, 2)
-        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
+    def score(self, q: Array, k: Array, v: Array, impl: str, return_weights: bool = False,
+              visible: Array | None = None):
+        """q, k, v [B, T, H, d] -> the per-head output [B, T, H, d] before W_O (and the attention weights: softmax
+        A [B, H, T, T], or A1 − λ·A2 [B, H/2, T, T] under differential scoring, with return_weights). With
+        `visible` [B, T, S], k and v are a KV cache [B, S, H, d] (causal_attention).
 
-    def _differential_scores(self, q, k, v, impl: str, form: str | None = None, heads_major: bool = False) -> Array:
-        """Differential attention on [B, T, H, dh] half-head views; returns [B, T, H, dh] (before W_O).
-
-        form: "virtual_heads" (one fused dot_product_attention call; the default under cuDNN) or "explicit"
-        (einsum scores in causal query blocks; the default otherwise, where it does half the FLOPs).
-        heads_major: inputs and output are [B, H, T, dh] (explicit form only)."""
-        if heads_major:
-            return self._differential_heads_major(q, k, v)
+        Differential scoring reads the H heads as H/2 pairs of half-heads; each pair shares the value of width 2d
+        made of both halves' values, and mixes its two attention matrices as A1 − λ·A2 (specs/diffattn.md)."""
+        chunks = self.cfg.attention_chunks
+        if self.cfg.scoring != "differential":
+            return causal_attention(q, k, v, None, impl, chunks, return_weights, visible)
         b, t, h, dh = q.shape
-        hd = h // 2
         lam = self.lambda_value()
-        scale = dh ** -0.5
-        form = form or ("virtual_heads" if impl == "cudnn" else "explicit")
-        if form == "virtual_heads":
-            # 4·hd virtual heads of width dh in one fused call (spec §6 form 2): queries [q1,q1,q2,q2],
-            # keys [k1,k1,k2,k2], values [v(1),v(2),v(1),v(2)].
-            qh, kh = q.reshape(b, t, hd, 2, dh), k.reshape(b, t, hd, 2, dh)
-            vh = v.reshape(b, t, hd, 2, dh)
-            qv = jnp.stack([qh[:, :, :, 0]] * 2 + [qh[:, :, :, 1]] * 2, axis=3).reshape(b, t, 4 * hd, dh)
-            kv = jnp.stack([kh[:, :, :, 0]] * 2 + [kh[:, :, :, 1]] * 2, axis=3).reshape(b, t, 4 * hd, dh)
-            vv = jnp.stack([vh[:, :, :, 0], vh[:, :, :, 1]] * 2, axis=3).reshape(b, t, 4 * hd, dh)
-            out = jax.nn.dot_product_attention(qv, kv, vv, is_causal=True, scale=scale, implementation=impl)
-            out = out.reshape(b, t, hd, 2, 2 * dh)
-            o = out[:, :, :, 0] - lam.astype(out.dtype) * out[:, :, :, 1]
-        else:
-            # Explicit form: one score tensor for both half-heads, A1 − λ·A2 combined *before* the value product
-            # (the same FLOPs as the 2·hd-head baseline).
-            def mix(probs: Array) -> Array:  # [B, H, c, S] -> [B, H/2, c, S]
-                probs = probs.reshape((b, hd, 2) + probs.shape[2:])
-                return probs[:, :, 0] - lam * probs[:, :, 1]
-
-            o = chunked_causal_attention(q, k, v.reshape(b, t, hd, 2 * dh), scale, self.cfg.attention_chunks, mix)
+        mix = jnp.tile(jnp.stack([jnp.ones_like(lam), -lam]), h // 2)  # [1, −λ, 1, −λ, ...]
+        v = v.reshape(v.shape[:2] + (h // 2, 2 * dh))
+        out = causal_attention(q, k, v, mix, impl, chunks, return_weights, visible)
+        o, weights = out if return_weights else (out, None)
         o = rms_norm(o, self.subln_scale[...], eps=1e-5) * (1.0 - self.lambda_init)
-        return o.reshape(b, t, h, dh)
-
-    def _differential_heads_major(self, q: Array, k: Array, v: Array) -> Array:
-        """The explicit differential form on [B, H, T, dh]: only v and the output change layout (each differential
-        head's value is its two half-heads' values side by side), never the [*, T, T] scores."""
-        b, h, t, dh = q.shape
-        hd = h // 2
-        lam = self.lambda_value()
-        v2 = v.reshape(b, hd, 2, t, dh).transpose(0, 1, 3, 2, 4).reshape(b, hd, t, 2 * dh)
-
-        def mix(probs: Array) -> Array:  # [B, H, c, S] -> [B, H/2, c, S]
-            probs = probs.reshape((b, hd, 2) + probs.shape[2:])
-            return probs[:, :, 0] - lam * probs[:, :, 1]
-
-        o = chunked_causal_attention(q, k, v2, dh ** -0.5, self.cfg.attention_chunks, mix, heads_major=True)
-        o = rms_norm(o, self.subln_scale[...], eps=1e-5) * (1.0 - self.lambda_init)
-        return o.reshape(b, hd, t, 2, dh).transpose(0, 1, 3, 2, 4).reshape(b, h, t, dh)
-
-    def attention_matrix(self, q: Array, k: Array) -> Array:
-        """The effective token-mixing matrix for diagnostics: softmax A [B, H, T, T], or A1 − λ·A2 [B, H/2, T, T]."""
-        probs = causal_softmax(q, k, q.shape[-1] ** -0.5)
-        if self.cfg.scoring == "differential":
-            b, h, t, _ = probs.shape
-            probs = probs.reshape(b, h // 2, 2, t, t)
-            return probs[:, :, 0] - self.lambda_value() * probs[:, :, 1]
-        return probs
+        o = o.reshape(b, t, h, dh)
+        return (o, weights) if return_weights else o
 
     # -- forward ----------------------------------------------------------------------------------------------------
     def __call__(self, x: Array, shared_coupling: CouplingMLP | None = None, collect: bool = False):
-        """x: [B, T, d_model] in the compute dtype -> [B, T, d_model] (and a dict of intermediates if collect)."""
+        """x: [B, T, d_model] in the compute dtype -> [B, T, d_model] (and a dict of intermediates if collect).
+
+        Activations are [B, T, H, d] from the projections on (the layout jax.nn.dot_product_attention and cuDNN
+        take). collect=True runs the explicit kernel, which also returns the attention weights."""
         cfg, dtype = self.cfg, x.dtype
-        impl = choose_implementation(cfg.attention_impl, dtype, cfg.head_dim)
-        # The explicit path works heads-major ([B, H, T, d]) from the projections on: the projections and W_O absorb
-        # the layout for free, while a [B, T, H, d] layout cost four transposes per layer and direction (NOTES.md).
-        # The collect path keeps the public [B, T, H, d] layout of the diagnostics.
-        hm = impl == "explicit" and not collect
-        proj = "btd,dhk->bhtk" if hm else "btd,dhk->bthk"
-        q = jnp.einsum(proj, x, self.wq[...].astype(dtype))
-        k = jnp.einsum(proj, x, self.wk[...].astype(dtype))
-        v = jnp.einsum(proj, x, self.wv[...].astype(dtype))
+        impl = "explicit" if collect else choose_implementation(cfg.attention_impl, dtype, cfg.head_dim, x.shape[1])
+        q = jnp.einsum("btd,dhk->bthk", x, self.wq[...].astype(dtype))
+        k = jnp.einsum("btd,dhk->bthk", x, self.wk[...].astype(dtype))
+        v = jnp.einsum("btd,dhk->bthk", x, self.wv[...].astype(dtype))
         q0, k0 = q, k
-        q, k = self.transform_qk(q, k, shared_coupling, head_axis=1 if hm else 2)
+        q, k = self.transform_qk(q, k, shared_coupling)
         q1, k1 = q, k
         if cfg.positions == "rope":
-            seq_axis = 2 if hm else 1
-            q, k = apply_rope(q, cfg.rope_base, seq_axis), apply_rope(k, cfg.rope_base, seq_axis)
-        if cfg.scoring == "differential":
-            o = self._differential_scores(q, k, v, impl, heads_major=hm)
-        else:
-            o = self._softmax_scores(q, k, v, impl, heads_major=hm)
-        y = jnp.einsum("bhtk,hkd->btd" if hm else "bthk,hkd->btd", o, self.wo[...].astype(dtype))
+            q, k = apply_rope(q, cfg.rope_base), apply_rope(k, cfg.rope_base)
+        o = self.score(q, k, v, impl, return_weights=collect)
+        if collect:
+            o, weights = o
+        y = jnp.einsum("bthk,hkd->btd", o, self.wo[...].astype(dtype))
         if not collect:
             return y
-        aux = {"q_before": q0, "k_before": k0, "q_after": q1, "k_after": k1, "attn": self.attention_matrix(q, k)}
+        aux = {"q_before": q0, "k_before": k0, "q_after": q1, "k_after": k1, "attn": weights}
         if hasattr(self, "dt"):
             aux["dt"] = self.dt[...]
         return y, aux
@@ -391,17 +383,5 @@ class CausalSelfAttention(nnx.Module):
         write = jax.vmap(lambda c, new, at: jax.lax.dynamic_update_slice_in_dim(c, new.astype(c.dtype), at, axis=0))
         cache = {"k": write(cache["k"], k, positions[:, 0]), "v": write(cache["v"], v, positions[:, 0])}
         visible = jnp.arange(cache["k"].shape[1])[None, None, :] <= positions[:, :, None]  # [B, T, S]
-        if cfg.scoring == "differential":
-            b, t, h, dh = q.shape
-            lam = self.lambda_value()
-
-            def mix(probs: Array) -> Array:  # [B, H, T, S] -> [B, H/2, T, S]
-                probs = probs.reshape((b, h // 2, 2) + probs.shape[2:])
-                return probs[:, :, 0] - lam * probs[:, :, 1]
-
-            s = cache["v"].shape[1]
-            o = cached_attention(q, cache["k"], cache["v"].reshape(b, s, h // 2, 2 * dh), visible, dh ** -0.5, mix)
-            o = (rms_norm(o, self.subln_scale[...], eps=1e-5) * (1.0 - self.lambda_init)).reshape(b, t, h, dh)
-        else:
-            o = cached_attention(q, cache["k"], cache["v"], visible, cfg.head_dim ** -0.5)
+        o = self.score(q, cache["k"], cache["v"], "explicit", visible=visible)
         return jnp.einsum("bthk,hkd->btd", o, self.wo[...].astype(dtype)), cache

@@ -58,9 +58,6 @@ class ModelConfig:
     coupling_scope: str = "layer"  # "layer": one f per layer; "shared": one f for every layer
     per_head_params: bool = False  # one f per head (stacked on a leading H axis) instead of one shared by all heads
     scan_unroll: int = 1  # lax.scan unroll over the n dynamics steps
-    # How f is applied over heads: "batched" (one matmul over all heads; the faster, see benchmarks/NOTES.md) or
-    # "vmap" (dynamics.evolve_heads, jax.vmap over the head axis). The same maths either way.
-    coupling_lowering: str = "batched"
     # Backward pass of the dynamics (dynamics.integrate): "reversible" keeps no per-step residuals (leapfrog
     # integrates backwards, the others recompute their steps), "autodiff" keeps the plain scan's. Same gradients.
     dynamics_backward: str = "reversible"
@@ -74,7 +71,9 @@ class ModelConfig:
     dropout: float = 0.0
     dtype: str = "float32"  # compute dtype; params are always float32
     remat: str = "none"  # "none" | "full" | "dots" (save matmul outputs) | "nothing_saveable"
-    attention_impl: str = "auto"  # "auto" (cudnn if possible, else explicit) | "explicit" | "xla" | "cudnn"
+    # "auto": cuDNN on GPU (bf16/fp16), the Pallas flash kernel on TPU, else explicit | "explicit" | "xla" | "cudnn"
+    # | "pallas" (attention.choose_implementation)
+    attention_impl: str = "auto"
     attention_chunks: int = 0  # query blocks of the explicit causal path; 0 = auto (about T/64, at most 8)
     init_std: float = 0.02
 
@@ -104,9 +103,9 @@ class ModelConfig:
             raise ValueError(f"model.positions='rope' needs an even head dim, got head_dim={self.head_dim}")
         choices = {"coupling_scope": ("layer", "shared"), "positions": ("learned", "rope", "none"),
                    "norm": ("rmsnorm", "layernorm"), "dtype": ("float32", "bfloat16", "float16"),
-                   "remat": ("none", "full", "dots", "nothing_saveable"), "coupling_lowering": ("batched", "vmap"),
+                   "remat": ("none", "full", "dots", "nothing_saveable"),
                    "dynamics_backward": ("reversible", "autodiff"),
-                   "attention_impl": ("auto", "explicit", "xla", "cudnn")}
+                   "attention_impl": ("auto", "explicit", "xla", "cudnn", "pallas")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"model.{name} must be one of {allowed}, got {getattr(self, name)!r}")

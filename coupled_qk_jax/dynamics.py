@@ -301,8 +301,8 @@ def evolve_heads_batched(
     """Same maths as `evolve_heads`, written as one batched matmul over all heads instead of a vmap over heads.
 
     q, k: [..., H, d_head]; dt: [H] broadcasts over the head axis ([H] -> [H, 1]), so f runs once on the whole
-    tensor (with per-head params: one einsum batched over H). This is the layer's default lowering
-    (`model.coupling_lowering`); benchmarks/NOTES.md compares the two.
+    tensor (with per-head params: one einsum batched over H). This is the lowering the attention layer uses;
+    benchmarks/NOTES.md compares the two.
     """
     n_heads = _check_heads(q, k, dt, method, n_steps, backward)
     f = functools.partial(coupling_mlp_heads if per_head_params else coupling_mlp, params)

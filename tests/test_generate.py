@@ -92,7 +92,7 @@ def test_cached_decoding_matches_full_forward(variant, positions):
 
 
 @pytest.mark.parametrize("overrides", [{"coupling_scope": "shared", "n_steps": 2},
-                                       {"per_head_params": True, "n_steps": 3}, {"coupling_lowering": "vmap"}])
+                                       {"per_head_params": True, "n_steps": 3}])
 def test_cached_decoding_coupling_options(overrides):
     model = tiny_model("coupled_leapfrog", "rope", **overrides)
     tokens = np.asarray(jax.random.randint(jax.random.key(3), (2, T), 0, 61), np.int32)

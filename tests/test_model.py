@@ -132,8 +132,8 @@ def test_differential_fast_forms_match_naive_reference():
     q = jnp.einsum("btd,dhk->bthk", x, attn.wq[...])
     k = jnp.einsum("btd,dhk->bthk", x, attn.wk[...])
     v = jnp.einsum("btd,dhk->bthk", x, attn.wv[...])
-    virtual = attn._differential_scores(q, k, v, "xla", form="virtual_heads")
-    explicit = attn._differential_scores(q, k, v, "xla", form="explicit")
+    virtual = attn.score(q, k, v, "xla")  # the fused kernel's form: 2H virtual heads, mix after the values
+    explicit = attn.score(q, k, v, "explicit")
     np.testing.assert_allclose(virtual, explicit, rtol=1e-5, atol=1e-5)
     # λ at init: exactly λ_init with zero λ vectors
     for n in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
@@ -213,3 +213,22 @@ def test_collect_returns_diagnostics_inputs():
     np.testing.assert_allclose(attn.sum(-1), 1.0, atol=1e-5)
     assert np.allclose(np.triu(attn, 1), 0.0)
     assert layers[0]["dt"].shape == (4,)
+
+
+@pytest.mark.parametrize("variant", ["coupled_leapfrog", "coupled_euler+differential"])
+def test_collect_at_multi_block_length(variant):
+    """At T = 130 the default explicit path runs 2 query blocks; collect runs that kernel and returns its weights."""
+    model = randomize_transforms(make(variant, max_len=130))
+    tokens = jax.random.randint(jax.random.key(5), (1, 130), 0, SMALL["vocab_size"])
+    logits, layers = nnx.jit(lambda m, t: m(t, collect=True))(model, tokens)
+    np.testing.assert_allclose(logits, nnx.jit(lambda m, t: m(t))(model, tokens), rtol=1e-5, atol=1e-5)
+    aux = layers[1]
+    q, k = (np.asarray(aux[n], np.float64) for n in ("q_after", "k_after"))
+    s = np.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1])
+    s = np.where(np.tril(np.ones((130, 130), bool)), s, -np.inf)
+    a = np.exp(s - s.max(-1, keepdims=True))
+    a /= a.sum(-1, keepdims=True)
+    if variant.endswith("differential"):
+        lam = float(model.blocks[1].attn.lambda_value())
+        a = a[:, 0::2] - lam * a[:, 1::2]
+    np.testing.assert_allclose(aux["attn"], a, rtol=1e-4, atol=1e-5)

@@ -1,0 +1,131 @@
+"""The one causal attention kernel (attention.causal_attention) against float64 numpy, at sequence lengths that use
+the default multi-block explicit path; the fused forms (XLA, Pallas TPU flash in interpret mode) against it; and the
+kernel choice per platform."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from coupled_qk_jax import attention
+from coupled_qk_jax.attention import auto_chunks, choose_implementation
+
+B, H, D = 2, 4, 8
+causal_attention = jax.jit(attention.causal_attention, static_argnames=("impl", "n_chunks", "return_weights"))
+
+
+def qkv(t, g=H, dv=D, seed=0, b=B, h=H):
+    ks = jax.random.split(jax.random.key(seed), 3)
+    q = jax.random.normal(ks[0], (b, t, h, D))
+    k = jax.random.normal(ks[1], (b, t, h, D))
+    v = jax.random.normal(ks[2], (b, t, g, dv))
+    return q, k, v
+
+
+def np_attention(q, k, v, mix=None):
+    """float64 reference: per-head causal softmax, mixed within value groups, times the group's value."""
+    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+    t, h, d = q.shape[1:]
+    g = v.shape[2]
+    s = np.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(d)
+    s = np.where(np.tril(np.ones((t, t), bool)), s, -np.inf)
+    a = np.exp(s - s.max(-1, keepdims=True))
+    a /= a.sum(-1, keepdims=True)
+    w = np.ones(h) if mix is None else np.asarray(mix, np.float64)
+    mixed = (a * w[:, None, None]).reshape(a.shape[0], g, h // g, t, t).sum(2)  # [B, G, T, T]
+    return np.einsum("bgqk,bkgd->bqgd", mixed, v), mixed
+
+
+MIX = jnp.array([1.0, -0.4, 1.0, -0.7])  # differential attention's [1, −λ] per pair of half-heads
+
+
+@pytest.mark.parametrize("t", [130, 192])
+@pytest.mark.parametrize("differential", [False, True])
+def test_explicit_multi_block_matches_numpy(t, differential):
+    assert auto_chunks(t) >= 2  # the default path runs several query blocks at these lengths
+    g, dv, mix = (H // 2, 2 * D, MIX) if differential else (H, D, None)
+    q, k, v = qkv(t, g, dv)
+    ref, ref_w = np_attention(q, k, v, mix)
+    out = causal_attention(q, k, v, mix)
+    np.testing.assert_allclose(out, ref, rtol=2e-5, atol=2e-5)
+    out_w, weights = causal_attention(q, k, v, mix, return_weights=True)  # the diagnostics' collect path
+    np.testing.assert_allclose(out_w, ref, rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(weights, ref_w, rtol=1e-5, atol=1e-6)
+    # a block count that does not divide T
+    np.testing.assert_allclose(causal_attention(q, k, v, mix, n_chunks=7), ref, rtol=2e-5, atol=2e-5)
+
+
+def full_square(q, k, v, mix):
+    """An fp32 full-square implementation (jax.nn.softmax over the masked T×T scores) as the gradient reference."""
+    t, h, d = q.shape[1:]
+    g = v.shape[2]
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(d)
+    a = jax.nn.softmax(jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, -jnp.inf), axis=-1)
+    a = (a * mix[:, None, None]).reshape(a.shape[0], g, h // g, t, t).sum(2)
+    return jnp.einsum("bgqk,bkgd->bqgd", a, v)
+
+
+def test_explicit_multi_block_gradients():
+    q, k, v = qkv(130, H // 2, 2 * D, seed=1)
+    cot = jax.random.normal(jax.random.key(9), (B, 130, H // 2, 2 * D))
+
+    def loss(fn):
+        return jax.jit(jax.grad(lambda q, k, v, mix: jnp.sum(fn(q, k, v, mix) * cot), argnums=(0, 1, 2, 3)))
+
+    got = loss(attention.causal_attention)(q, k, v, MIX)
+    ref = loss(full_square)(q, k, v, MIX)
+    for a, b in zip(got, ref):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_fused_xla_form_matches_explicit():
+    for g, dv, mix in ((H, D, None), (H // 2, 2 * D, MIX)):
+        q, k, v = qkv(130, g, dv, seed=2)
+        np.testing.assert_allclose(causal_attention(q, k, v, mix, impl="xla"), causal_attention(q, k, v, mix),
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_pallas_tpu_flash_in_interpret_mode_matches_explicit():
+    """The TPU kernel itself, run by Pallas' TPU interpreter on CPU: forward and gradients of one differential head
+    (the mix over 2 half-heads, as 4 virtual heads), and plain softmax, at T = 128 (one Pallas block)."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    q, k, v = qkv(128, 1, 2 * D, seed=3, b=1, h=2)
+    mix = MIX[:2]
+    cot = jax.random.normal(jax.random.key(8), (1, 128, 1, 2 * D))
+
+    def loss(impl):
+        return lambda q, k, v, mix: jnp.sum(attention.causal_attention(q, k, v, mix, impl=impl) * cot)
+
+    with pltpu.force_tpu_interpret_mode():
+        out, grads = jax.value_and_grad(loss("pallas"), argnums=(0, 1, 2, 3))(q, k, v, mix)
+        plain = attention.causal_attention(q, k, v[..., :D].repeat(2, axis=2), impl="pallas")
+    np.testing.assert_allclose(out, np.sum(np_attention(q, k, v, mix)[0] * np.asarray(cot)), rtol=1e-4)
+    np.testing.assert_allclose(plain, np_attention(q, k, v[..., :D].repeat(2, axis=2))[0], rtol=1e-4, atol=1e-4)
+    for a, b in zip(grads, jax.grad(loss("explicit"), argnums=(0, 1, 2, 3))(q, k, v, mix)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("requested,dtype,head_dim,seq,platform,expected", [
+    ("auto", jnp.bfloat16, 64, 256, "gpu", "cudnn"),
+    ("auto", jnp.float32, 64, 256, "gpu", "explicit"),   # cuDNN attention needs bf16/fp16
+    ("auto", jnp.bfloat16, 160, 256, "gpu", "explicit"),  # head dim over 128
+    ("auto", jnp.bfloat16, 64, 256, "tpu", "pallas"),
+    ("auto", jnp.float32, 64, 384, "tpu", "pallas"),
+    ("auto", jnp.bfloat16, 64, 200, "tpu", "explicit"),  # T not a multiple of the 128 Pallas block
+    ("auto", jnp.bfloat16, 64, 256, "cpu", "explicit"),
+    ("xla", jnp.bfloat16, 64, 256, "tpu", "xla"),
+    ("pallas", jnp.bfloat16, 64, 256, "tpu", "pallas"),
+])
+def test_choose_implementation(requested, dtype, head_dim, seq, platform, expected):
+    assert choose_implementation(requested, dtype, head_dim, seq, platform) == expected
+
+
+def test_unavailable_kernel_falls_back_with_a_warning():
+    with pytest.warns(UserWarning, match="falling back to 'explicit'"):
+        assert choose_implementation("cudnn", jnp.bfloat16, 64, 256, "cpu") == "explicit"
+    with pytest.warns(UserWarning, match="falling back"):
+        assert choose_implementation("pallas", jnp.bfloat16, 64, 100, "tpu") == "explicit"
+    with pytest.raises(ValueError, match="mix must have shape"):
+        attention.causal_attention(jnp.zeros((1, 8, H, D)), jnp.zeros((1, 8, H, D)), jnp.zeros((1, 8, H // 2, D)),
+                                   jnp.ones(3))
