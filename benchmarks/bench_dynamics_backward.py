@@ -10,7 +10,8 @@ No wall-clock timing (that is bench_attention.py's job, on an idle machine). Thr
    `compiled.cost_analysis()`. For every dynamics variant at n = 1 and n = 7 (`--n_steps`), autodiff and reversible.
 2. **Drift.** Leapfrog's reversible backward rebuilds (q_i, k_i) by integrating backwards with the same ops as the
    forward and −Δt. The drift is the error of the rebuilt (q_0, k_0) after n steps forward and n back, relative to the
-   states' RMS, for float32 and bfloat16 at the layer's shape with a non-zero f (w2 LeCun-normal, as after training).
+   states' RMS, for float32 and bfloat16 at the layer's shape with a non-zero f (w2 LeCun-normal, as after training),
+   Δt 0.1 (the init) and 0.5, n = 1, 7, 32. (Euler's rebuilt k_i drifts the same way: the same axpy.)
 3. **Gradient error of the reconstruction** in both dtypes: the rebuilt-state gradients of a random linear loss
    against autodiff of the same forward (float32) or against float64 (bfloat16), relative to the gradient's norm.
 """
@@ -60,7 +61,7 @@ def memory_row(variant: str, n_steps: int, backward: str, args) -> dict:
             "gbytes": cost.get("bytes accessed", float("nan")) / 1e9}
 
 
-def layer_case(dtype, n_steps: int, seed: int = 0):
+def layer_case(dtype, dt: float, seed: int = 0):
     """q, k, Δt and a non-zero f at the tiny layer's shape (B 16, T 256, H 4, d_head 32, hidden 24)."""
     b, t, h, d, hidden = 16, 256, 4, 32, 24
     keys = jax.random.split(jax.random.key(seed), 4)
@@ -68,14 +69,14 @@ def layer_case(dtype, n_steps: int, seed: int = 0):
     k = jax.random.normal(keys[1], (b, t, h, d)).astype(dtype)
     params = dynamics.init_coupling_params(keys[2], d, hidden, zero_output=False)
     params = jax.tree.map(lambda a: a.astype(dtype), params)
-    dt = jnp.full((h, 1), 0.1, jnp.float32)
+    dt = jnp.full((h, 1), dt, jnp.float32)
     return q, k, dt, functools.partial(dynamics.coupling_mlp, params), params
 
 
-def drift(dtype, n_steps: int) -> tuple[float, float]:
+def drift(dtype, n_steps: int, dt: float) -> tuple[float, float]:
     """(RMS, max) of |rebuilt − original| / RMS(original) over (q_0, k_0), in units of the dtype's epsilon (2^-23
     for float32, 2^-7 for bfloat16); the backward's rebuild is leapfrog with −Δt."""
-    q, k, dt, f, _ = layer_case(dtype, n_steps)
+    q, k, dt, f, _ = layer_case(dtype, dt)
     run = jax.jit(lambda q, k, dt: dynamics._scan(q, k, dt, f, n_steps, "leapfrog", 1))
     q_back, k_back = run(*run(q, k, dt), -dt)
     err = jnp.stack([a.astype(jnp.float32) - b.astype(jnp.float32) for a, b in ((q_back, q), (k_back, k))])
@@ -83,12 +84,12 @@ def drift(dtype, n_steps: int) -> tuple[float, float]:
     return float(jnp.sqrt(jnp.mean(jnp.square(err)))) / scale, float(jnp.max(jnp.abs(err))) / scale
 
 
-def gradient_error(dtype, n_steps: int) -> dict:
+def gradient_error(dtype, n_steps: int, dt: float) -> dict:
     """Relative error (‖g − g_ref‖ / ‖g_ref‖) of Δt's and q's gradients, rebuilt states vs stored states.
 
     The reference is autodiff of the same forward in float32 (rebuild error only), or in float64 for bfloat16 (the
     dtype's own rounding plus the rebuild's), beside autodiff in bfloat16 against the same float64 reference."""
-    q, k, dt, _, params = layer_case(dtype, n_steps)
+    q, k, dt, _, params = layer_case(dtype, dt)
     rng = np.random.default_rng(1)
     rq, rk = (jnp.asarray(rng.normal(size=q.shape), jnp.float32) for _ in range(2))
 
@@ -126,7 +127,9 @@ def main() -> None:
     ap.add_argument("--n_steps", default="1,7")
     ap.add_argument("--batch", type=int, default=None, help="override the scale's train batch")
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--backwards", default="autodiff,reversible")
     ap.add_argument("--skip_memory", action="store_true")
+    ap.add_argument("--skip_drift", action="store_true")
     ap.add_argument("--out", default=None, help="write the Markdown tables here too")
     args = ap.parse_args()
     command = "python benchmarks/bench_dynamics_backward.py " + " ".join(sys.argv[1:])
@@ -136,7 +139,7 @@ def main() -> None:
         ns = [int(n) for n in args.n_steps.split(",")]
         rows = [memory_row("standard", 1, "autodiff", args)]
         for variant in args.variants.split(","):
-            for backward in ("autodiff", "reversible"):
+            for backward in args.backwards.split(","):
                 rows += [memory_row(variant, n, backward, args) for n in ns]
         lines += [f"{args.scale}, {args.dtype}: XLA memory of the train step", "",
                   f"| variant | backward | n | peak MB | temp MB | ×(n={ns[0]}) | GFLOP | GB accessed |",
@@ -149,19 +152,19 @@ def main() -> None:
             print(lines[-1], flush=True)
         lines.append("")
 
-    lines += ["leapfrog reconstruction at B16 T256 H4 d32, Δt 0.1 (rebuilt (q_0, k_0) after n steps and n back)", "",
-              "Drift: |rebuilt − original| / RMS(original) in units of the dtype's epsilon. Gradient errors "
-              "‖g − g_ref‖/‖g_ref‖ of a random linear loss; the reference is float32 autodiff (float32 rows) or "
-              "float64 autodiff (bfloat16 rows); 'rebuilt vs stored' is the error the rebuild adds.", "",
-              "| dtype | n | drift RMS (eps) | drift max (eps) | dq: rebuilt | dq: stored | dq: rebuilt vs stored "
-              "| dΔt: rebuilt | dΔt: stored | dΔt: rebuilt vs stored |",
-              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for dtype in (jnp.float32, jnp.bfloat16):
-        for n in (1, 7):
-            g = gradient_error(dtype, n)
-            rms, worst = drift(dtype, n)
+    if not args.skip_drift:
+        lines += ["leapfrog reconstruction at B16 T256 H4 d32 (rebuilt (q_0, k_0) after n steps and n back)", "",
+                  "Drift: |rebuilt − original| / RMS(original) in units of the dtype's epsilon. Gradient errors "
+                  "‖g − g_ref‖/‖g_ref‖ of a random linear loss; the reference is float32 autodiff (float32 rows) or "
+                  "float64 autodiff (bfloat16 rows); 'rebuilt vs stored' is the error the rebuild adds.", "",
+                  "| dtype | Δt | n | drift RMS (eps) | drift max (eps) | dq: rebuilt | dq: stored "
+                  "| dq: rebuilt vs stored | dΔt: rebuilt | dΔt: stored | dΔt: rebuilt vs stored |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        for dtype, dt, n in [(d, dt, n) for d in (jnp.float32, jnp.bfloat16) for dt in (0.1, 0.5) for n in (1, 7, 32)]:
+            g = gradient_error(dtype, n, dt)
+            rms, worst = drift(dtype, n, dt)
             stored = lambda key: f"{g[key]:.1e}" if key in g else "(ref)"
-            lines.append(f"| {jnp.dtype(dtype).name} | {n} | {rms:.2f} | {worst:.1f} | {g['dq_rebuilt']:.1e} | "
+            lines.append(f"| {jnp.dtype(dtype).name} | {dt} | {n} | {rms:.2f} | {worst:.1f} | {g['dq_rebuilt']:.1e} | "
                          f"{stored('dq_stored')} | {g['dq_added']:.1e} | {g['ddt_rebuilt']:.1e} | "
                          f"{stored('ddt_stored')} | {g['ddt_added']:.1e} |")
             print(lines[-1], flush=True)

@@ -29,13 +29,15 @@ head) is a float32 sum.
 Backward pass (`backward=`, `model.dynamics_backward`):
 - "autodiff": reverse-mode through the plain scan; XLA keeps every step's residuals (q, f's hidden layer, k, f(q))
   from the forward until the backward, so memory grows with n.
-- "reversible": nothing per step is kept. Leapfrog is time-reversible, so its custom VJP (`_leapfrog_reversible`)
-  rebuilds the states by integrating backwards from (q_n, k_n), one f evaluation per step. The rebuilt states drift
-  from the forward's by rounding only: measured at the tiny layer's shape with n = 7, an RMS of 0.5 units of the
-  dtype's epsilon in float32 and in bfloat16, which adds less gradient error than the dtype's own rounding does
-  (benchmarks/NOTES.md). Euler and the uncoupled ablation are not explicitly invertible: they recompute their
-  states in the backward pass (`jax.checkpoint` of the scan), so their per-step residuals exist only while their
-  own layer's backward runs. Both cost n extra evaluations of f in the backward pass.
+- "reversible": nothing per step is kept from the forward to the backward pass, so memory does not grow with n.
+  Leapfrog is time-reversible: its custom VJP (`_leapfrog_reversible`) rebuilds the states by integrating backwards
+  from (q_n, k_n), one f evaluation per step. Euler and the uncoupled ablation are not explicitly invertible: their
+  custom VJP (`_recompute`) keeps the inputs and re-runs the steps at the start of the layer's backward pass, so
+  their states exist only while that one layer's backward runs (Euler keeps q_i only and rebuilds k_i backwards;
+  the uncoupled map needs both). Either way the backward pass evaluates f about n more times than autodiff's.
+  The rebuilt states differ from the forward's by rounding only: at the tiny layer's shape with n = 7 an RMS of
+  about 0.5 units of the dtype's epsilon in float32 and in bfloat16, which adds less gradient error than the dtype's
+  own rounding does (benchmarks/NOTES.md).
 """
 
 from __future__ import annotations
@@ -136,11 +138,10 @@ def integrate(
     dt = jnp.asarray(dt).astype(_acc_dtype(q.dtype))
     if backward == "autodiff":
         return _scan(q, k, dt, f, n_steps, method, unroll)
+    f_flat, f_consts = jax.closure_convert(f, q)  # f's params become explicit arguments of the custom VJPs
     if method == "leapfrog":
-        f_flat, f_consts = jax.closure_convert(f, q)  # f's params become explicit arguments of the custom VJP
         return _leapfrog_reversible(f_flat, n_steps, unroll, q, k, dt, *f_consts)
-    # Not invertible: keep only the inputs, recompute the steps in the backward pass.
-    return jax.checkpoint(lambda q, k, dt: _scan(q, k, dt, f, n_steps, method, unroll))(q, k, dt)
+    return _recompute(f_flat, n_steps, method, unroll, q, k, dt, *f_consts)
 
 
 def _scan(q: Array, k: Array, dt: Array, f: Force, n_steps: int, method: str,
@@ -238,6 +239,73 @@ def _leapfrog_reversible_bwd(f, n_steps, unroll, residuals, cotangents):
 
 
 _leapfrog_reversible.defvjp(_leapfrog_reversible_fwd, _leapfrog_reversible_bwd)
+
+
+# --------------------------------------------------------- euler / uncoupled: recompute the steps in the backward pass
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _recompute(f: Callable, n_steps: int, method: str, unroll: int | bool, q: Array, k: Array, dt: Array,
+               *f_consts: Array) -> tuple[Array, Array]:
+    """n steps of a method that is not explicitly invertible, whose VJP keeps only the inputs."""
+    return _scan(q, k, dt, lambda x: f(x, *f_consts), n_steps, method, unroll)
+
+
+def _recompute_fwd(f, n_steps, method, unroll, q, k, dt, *f_consts):
+    return _recompute(f, n_steps, method, unroll, q, k, dt, *f_consts), (q, k, dt, f_consts)
+
+
+def _recompute_bwd(f, n_steps, method, unroll, residuals, cotangents):
+    """Re-run the forward from the inputs keeping each step's (q_i, k_i), then pull the cotangents back one step at
+    a time (each step's f is evaluated again inside its own VJP). The states exist only during this layer's
+    backward pass. The barrier ties the recomputation to the cotangents: without it XLA may hoist the recomputation,
+    which depends only on the inputs, into the forward pass and keep its states alive (as it did with jax.checkpoint:
+    the same memory as autodiff, benchmarks/NOTES.md)."""
+    q, k, dt, f_consts = residuals
+    (q, k), (gq, gk) = jax.lax.optimization_barrier(((q, k), cotangents))
+    acc = _acc_dtype(q.dtype)
+    step = STEP_FUNCTIONS[method]
+
+    force = lambda x: f(x, *f_consts)
+    zeros = [jnp.zeros(c.shape, acc) for c in f_consts]
+    if method == "euler":
+        # Keep only q_i: k_i = k_{i+1} − Δt·f(q_i) is rebuilt on the way back from the f(q_i) that the step's VJP
+        # computes anyway (the drift of leapfrog's rebuild, one axpy per step), halving the states kept.
+        def forward(carry, _):
+            q, k = carry
+            return euler_step(q, k, dt, force), q
+
+        (_, k), qs = jax.lax.scan(forward, (q, k), None, length=n_steps, unroll=unroll)
+
+        def backward(carry, q):
+            k, gq, gk, g_dt, g_consts = carry  # k = k_{i+1}; gq, gk: cotangents of (q_{i+1}, k_{i+1})
+            fq, pullback = jax.vjp(f, q, *f_consts)
+            k = _axpy(k, -dt, fq)
+            gq_f, *g_step = pullback((dt * gk.astype(acc)).astype(fq.dtype))
+            g_dt = g_dt + _sum_to(gq.astype(acc) * k.astype(acc) + gk.astype(acc) * fq.astype(acc), dt.shape)
+            g_consts = [a + b.astype(acc) for a, b in zip(g_consts, g_step)]
+            return (k, gq + gq_f, _axpy(gk, dt, gq), g_dt, g_consts), None
+
+        carry = (k, gq, gk, jnp.zeros(dt.shape, acc), zeros)
+        (_, gq, gk, g_dt, g_consts), _ = jax.lax.scan(backward, carry, qs, reverse=True, unroll=unroll)
+        return (gq, gk, g_dt, *[g.astype(c.dtype) for g, c in zip(g_consts, f_consts)])
+
+    def forward(carry, _):
+        q, k = carry
+        return step(q, k, dt, force), carry
+
+    _, states = jax.lax.scan(forward, (q, k), None, length=n_steps, unroll=unroll)
+
+    def backward(carry, state):
+        gq, gk, g_dt, g_consts = carry
+        _, pullback = jax.vjp(lambda q, k, dt, *c: step(q, k, dt, lambda x: f(x, *c)), *state, dt, *f_consts)
+        gq, gk, g_dt_i, *g_step = pullback((gq, gk))
+        return (gq, gk, g_dt + g_dt_i, [a + b.astype(acc) for a, b in zip(g_consts, g_step)]), None
+
+    carry = (gq, gk, jnp.zeros(dt.shape, acc), zeros)
+    (gq, gk, g_dt, g_consts), _ = jax.lax.scan(backward, carry, states, reverse=True, unroll=unroll)
+    return (gq, gk, g_dt, *[g.astype(c.dtype) for g, c in zip(g_consts, f_consts)])
+
+
+_recompute.defvjp(_recompute_fwd, _recompute_bwd)
 
 
 # --------------------------------------------------------------------------------------------------- over the heads
