@@ -100,6 +100,16 @@ def test_cached_decoding_coupling_options(overrides):
     assert_same_logits(cached, full)
 
 
+def test_cached_decoding_in_bfloat16():
+    """The accelerator dtype: the cache is bf16 and the cached logits follow the bf16 full forward to bf16 rounding
+    (each path rounds differently, so only the scale of the agreement is checked)."""
+    model = tiny_model("coupled_leapfrog+differential", "rope", dtype="bfloat16")
+    tokens = np.asarray(jax.random.randint(jax.random.key(4), (2, T), 0, 61), np.int32)
+    full, cached = _full_and_cached(model, tokens, LENGTHS)
+    assert np.abs(cached - full).max() < 0.01 * np.abs(full).max()  # bf16 vs fp32 full forwards differ by 0.02
+    assert (cached.argmax(-1) == full.argmax(-1)).mean() > 0.9
+
+
 # ------------------------------------------------------------------------------------------------- the Generator
 @pytest.fixture(scope="module")
 def gen_model():
