@@ -62,8 +62,11 @@ def main(argv: list[str]) -> None:
 
 def _train(loop) -> dict:
     summary = loop.train(FLAGS.config, FLAGS.workdir)
-    val = f"{summary['val_ppl']:.3f}" if summary["val_ppl"] is not None else "n/a"
-    print(f"{summary['status']} at step {summary['step']}: train_loss {summary['train_loss']:.4f}, val_ppl {val}, "
+    if summary.get("valid/accuracy") is not None:  # MQAR
+        score = f"valid/accuracy {summary['valid/accuracy']:.4f}"
+    else:
+        score = f"val_ppl {summary['val_ppl']:.3f}" if summary.get("val_ppl") is not None else "val_ppl n/a"
+    print(f"{summary['status']} at step {summary['step']}: train_loss {summary['train_loss']:.4f}, {score}, "
           f"summary in {FLAGS.workdir}/summary.json", flush=True)
     return summary
 

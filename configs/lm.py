@@ -47,6 +47,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     head_dim = d_model // n_heads
 
     cfg = ml_collections.ConfigDict()
+    cfg.task = "lm"  # the loop's data + metric plug-in (training/tasks.py): "lm" or "mqar" (configs/mqar.py)
     cfg.scale = scale
 
     cfg.model = ml_collections.ConfigDict(dict(
@@ -97,6 +98,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         batch_size=batch,  # global sequences per optimiser step (split over hosts, devices and grad_accum)
         grad_accum=1,  # micro-batches per step: each is batch_size / grad_accum sequences
         seed=0,  # model init, data order and per-step dropout keys (fold_in(seed, step))
+        num_seeds=1,  # S > 1: seeds seed..seed+S-1 trained together as one vmapped program (docs/experiments.md)
         lr=lr,
         warmup_steps=100,
         min_lr_ratio=0.1,

@@ -1,39 +1,39 @@
-"""MQAR experiments: `--config=configs/mqar.py:VARIANT,LEVEL`, e.g. `coupled_euler,easy`.
+"""MQAR experiments: `python train.py --config=configs/mqar.py:VARIANT,LEVEL --workdir=DIR`, e.g. `coupled_euler,easy`.
 
 The levels are `coupled_qk_jax.data.mqar.LEVELS` (see docs/mqar.md): (seq_len L, num_kv_pairs N, d_model) =
 easy (64, 4, 64), medium (128, 8, 64), hard (256, 16, 64), vocabulary 512, fillers off, zoology's fixed batch order.
+The run is an ordinary run of the training loop (`training/loop.py`, `cfg.task = "mqar"`): its data (zoology-order
+batches) and its metric (accuracy per segment on the labelled positions) are the loop's MQAR task plug-in
+(`training/tasks.py`), so checkpoints, exact resume, SIGTERM saves and seed-parallel runs (`train.num_seeds`) work
+as for language models.
 
 The model follows zoology's MQAR setting: 2 layers, attention only (`model.d_ff=0`: no block MLP, so recall has to
 happen in attention), learned absolute positions, width `d_model` of the level, context = L. Two heads (head dim 32)
 rather than one so that Differential Attention, which pairs heads, runs at the same shape as every other variant.
 
-Training: AdamW, linear warm-up then cosine decay over `mqar.epochs` epochs; `train.steps` is derived from the epoch
-count and the level's batches per epoch so the schedule ends with the run. Zoology trains 64 epochs; the default of
-16 here is sized for a 2-core CPU. Override e.g. `--config.mqar.epochs=32` then call `finalize(cfg)` (the sweep
-runner does this) to recompute `train.steps`.
+Training: AdamW, linear warm-up (5% of the run) then cosine decay over `mqar.epochs` epochs. The loop's schedule
+fields are ml_collections FieldReferences of the MQAR fields, so they follow any command-line override with no
+extra call:
+
+    mqar.steps_per_epoch = ceil(mqar.num_train / train.batch_size)
+    train.steps          = mqar.epochs * mqar.steps_per_epoch
+    train.warmup_steps   = train.steps // 20
+    train.eval_every     = mqar.eval_every_epochs * mqar.steps_per_epoch
+    checkpoint.every     = mqar.steps_per_epoch          (one checkpoint per epoch)
+
+Setting one of the derived fields itself (e.g. `--config.train.steps=100`) replaces the reference by that number.
+Zoology trains 64 epochs; the default of 16 here is sized for a 2-core CPU.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import ml_collections
 
+from configs import lm
 from coupled_qk_jax.config import ModelConfig
 from coupled_qk_jax.data import mqar
-
-
-def finalize(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-    """Recompute the fields derived from `mqar.epochs` and `mqar.num_train` (steps, warm-up)."""
-    level = mqar.LEVELS[cfg.mqar.level]
-    num_train = int(cfg.mqar.num_train or level.num_train)
-    steps_per_epoch = math.ceil(num_train / level.train_batch_size)
-    cfg.mqar.steps_per_epoch = steps_per_epoch
-    cfg.train.steps = int(cfg.mqar.epochs) * steps_per_epoch
-    # 5% warm-up, at most the first epoch: MQAR from a random init is unstable at the peak lr without it.
-    cfg.train.warmup_steps = max(1, min(steps_per_epoch, cfg.train.steps // 20))
-    return cfg
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
@@ -45,34 +45,30 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     d_model, n_heads = level.d_model, 2
     head_dim = d_model // n_heads
 
-    cfg = ml_collections.ConfigDict()
+    # The loop's train / checkpoint / mesh blocks are configs/lm.py's (every field the loop reads), MQAR-sized below.
+    cfg = lm.get_config(f"{variant},tiny")
     cfg.task = "mqar"
-    # Every ModelConfig field with the library's defaults (the same as configs/lm.py), then the MQAR shape.
+    del cfg.scale
+    # Every ModelConfig field with the library's defaults, then the MQAR shape.
     model = dataclasses.asdict(ModelConfig(variant=variant))
     model.update(vocab_size=level.vocab_size, max_len=level.seq_len, d_model=d_model, n_layers=2, n_heads=n_heads,
                  d_ff=0,  # attention-only
                  coupling_hidden=3 * head_dim // 4, affine_hidden=3 * head_dim // 4)
     cfg.model = ml_collections.ConfigDict(model)
+    cfg.data = ml_collections.ConfigDict(dict(seq_len=level.seq_len, num_threads=1))
     cfg.mqar = ml_collections.ConfigDict(dict(
-        level=level_name,
+        level=level_name,  # choose it with the config argument: it also sets the model's shape
         epochs=16,
-        num_train=0,  # 0 = the level's own num_train
+        num_train=level.num_train,  # training examples (one zoology segment, seed derivation as zoology's)
+        num_test=level.num_test,  # held-out examples: the metric's segment
         eval_every_epochs=2,
-        steps_per_epoch=0,  # derived by finalize()
     ))
-    cfg.train = ml_collections.ConfigDict(dict(
-        steps=0,  # derived by finalize()
-        batch_size=level.train_batch_size,
-        grad_accum=1,
-        seed=0,
-        lr=3e-3,
-        warmup_steps=0,  # derived by finalize()
-        min_lr_ratio=0.1,
-        weight_decay=0.1,
-        b1=0.9, b2=0.95, eps=1e-8,
-        grad_clip=1.0,
-        qk_lr_mult=1.0,
-        ov_lr_mult=1.0,
-        qk_mult_coupling=False,
-    ))
-    return finalize(cfg)
+    cfg.train.update(batch_size=level.train_batch_size, lr=3e-3, log_every=25, eval_batches=0, eval_batch_size=0)
+    bs = cfg.train.get_ref("batch_size")
+    cfg.mqar.steps_per_epoch = (cfg.mqar.get_ref("num_train") + bs - 1) // bs
+    spe = cfg.mqar.get_ref("steps_per_epoch")
+    cfg.train.steps = cfg.mqar.get_ref("epochs") * spe
+    cfg.train.warmup_steps = cfg.train.get_ref("steps") // 20  # MQAR from a random init is unstable at peak lr
+    cfg.train.eval_every = cfg.mqar.get_ref("eval_every_epochs") * spe
+    cfg.checkpoint.every = spe
+    return cfg

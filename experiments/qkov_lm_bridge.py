@@ -5,10 +5,11 @@ the coupled model too, and at what cost in validation perplexity?
 
     python -m experiments.qkov_lm_bridge --out docs/results/qkov_lm --steps 90 --seeds 2
 
-For every (variant, qk_lr_mult) cell the runner trains all seeds as one vmapped program
-(``coupled_qk_jax.training.seeds.train_lm_seeds``, configured through ``experiments.sweep.lm_configs`` so the
-optimiser, schedule and data are exactly the sweep runner's), measures validation perplexity over the *whole*
-validation split, then reads the attention of every layer on held-out validation windows
+For every (variant, qk_lr_mult) cell the runner trains all seeds as one vmapped program in a run directory of the
+training loop (``training.loop.train`` with ``train.num_seeds``, configured through ``experiments.sweep.make_config``
+so the optimiser, schedule and data are exactly the sweep's; a stopped cell resumes from its checkpoint), measures
+validation perplexity over the *whole* validation split, then reads the attention of every layer on held-out
+validation windows
 (``model(tokens, collect=True)``) and computes, per layer and averaged over layers:
 
 * ``entropy``: mean row entropy of the attention (nats), over batch, heads and query rows;
@@ -29,19 +30,19 @@ ACMC (their count is reported as ``valid_rows``). Only the ``qk`` group (``W_Q``
 ``qk_mult_coupling`` defaults to off, so the coupling network f and its Δt keep the base learning rate
 (``--qk-mult-coupling`` turns it on).
 
-Outputs in ``--out``: ``runs/<variant>_qk<m>.json`` (one per cell, written as soon as the cell finishes; a rerun
-skips finished cells), ``per_seed.csv``, ``results.csv`` / ``results.md`` (mean ± sample std over seeds),
+Outputs in ``--out``: ``runs/<variant>_qk<m>/`` (the cell's run directory) and ``runs/<variant>_qk<m>.json`` (its
+measurements, written as soon as the cell finishes; a rerun skips finished cells), ``per_seed.csv``, ``results.csv`` / ``results.md`` (mean ± sample std over seeds),
 ``per_layer.csv`` / ``per_layer.md`` and ``bridge.png``.
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import math
 import os
 import shlex
+import shutil
 import sys
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -54,6 +55,9 @@ import numpy as np
 
 from coupled_qk_jax import diagnostics as diag
 from coupled_qk_jax.qkov import metrics as qm
+from coupled_qk_jax.reporting import log as _log
+from coupled_qk_jax.reporting import mean_std as _ms
+from coupled_qk_jax.reporting import write_csv
 
 # Per-sample metrics the summary turns into per-layer numbers. ("entropy", "entropy_norm", "sink_mass" are means
 # over every query row; the relevance metrics only over rows that have a relevant position.)
@@ -203,48 +207,50 @@ def uniform_reference(batches: Sequence[Mapping[str, np.ndarray]], tau_att: floa
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _log(msg: str) -> None:
-    print(time.strftime("%H:%M:%S"), msg, flush=True)
-
-
 def cell_name(variant: str, qk_mult: float) -> str:
     return f"{variant}_qk{qk_mult:g}"
 
 
-def run_cell(variant: str, qk_mult: float, *, scale: str, steps: int, seeds: Sequence[int], corpus: str,
-             cache_dir: str, tokenizer: str = "bpe", qk_mult_coupling: bool = False, diag_batches: int = 4,
-             tau_att: float = 0.5, tau_conf: float = 0.5, eval_points: int = 2,
+def run_cell(variant: str, qk_mult: float, *, workdir: str | Path, scale: str, steps: int, seeds: Sequence[int],
+             corpus: Any, cache_dir: str, tokenizer: str = "bpe", qk_mult_coupling: bool = False,
+             diag_batches: int = 4, tau_att: float = 0.5, tau_conf: float = 0.5, eval_points: int = 2,
              model_overrides: Mapping[str, Any] | None = None,
-             train_overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """Train one (variant, qk_lr_mult) cell for all seeds in parallel and measure it. Returns a JSON-able dict."""
-    from coupled_qk_jax.data.token_cache import build_token_cache  # noqa: PLC0415
-    from coupled_qk_jax.training.seeds import train_lm_seeds  # noqa: PLC0415
-    from experiments.sweep import Run, lm_configs  # noqa: PLC0415
+             train_overrides: Mapping[str, Any] | None = None) -> dict[str, Any] | None:
+    """Train one (variant, qk_lr_mult) cell for all seeds in parallel in ``workdir`` (resumed if it holds a
+    checkpoint) and measure it. Returns a JSON-able dict, or None when training was stopped (SIGTERM)."""
+    from coupled_qk_jax.training import loop  # noqa: PLC0415
+    from experiments.sweep import Run, make_config  # noqa: PLC0415
 
-    train = {"qk_lr_mult": float(qk_mult), "ov_lr_mult": 1.0, "qk_mult_coupling": bool(qk_mult_coupling)}
+    seeds = [int(x) for x in seeds]
+    if seeds != list(range(seeds[0], seeds[0] + len(seeds))):
+        raise ValueError(f"seeds must be consecutive (the loop trains train.seed .. train.seed + S - 1), got {seeds}")
+    train = {"qk_lr_mult": float(qk_mult), "ov_lr_mult": 1.0, "qk_mult_coupling": bool(qk_mult_coupling),
+             "log_every": max(1, steps // 10)}
     train.update(train_overrides or {})
-    run = Run(cell_name(variant, qk_mult), variant, scale=scale, corpus=corpus, steps=steps, seeds=tuple(seeds),
-              model=dict(model_overrides or {}), train=train, tokenizer=tokenizer)
-    model_cfg, train_cfg, seq_len, batch = lm_configs(run)
-    cache = build_token_cache(corpus, cache_dir, tokenizer=tokenizer, vocab_size=model_cfg.vocab_size)
-    val = cache.tokens("validation")
-    res, sp = train_lm_seeds(model_cfg, train_cfg, run.seeds, cache.tokens("train"), val, seq_len=seq_len,
-                             batch_size=batch, steps=steps, eval_every=max(1, steps // eval_points),
-                             log_every=max(1, steps // 10), eot_id=cache.eot_id,
-                             progress=lambda m: _log(f"[{run.name}] {m}"))
-    batches = diagnostic_batches(val, seq_len, batch, diag_batches, cache.eot_id)
-    collect = make_collect_fn(sp.graphdef)
+    run = Run(cell_name(variant, qk_mult), variant, scale=scale, corpus=corpus, steps=steps, seeds=len(seeds),
+              seed=seeds[0], model=dict(model_overrides or {}), train=train, tokenizer=tokenizer)
+    cfg = make_config(run, cache_dir, eval_points)
+    summary = loop.train(cfg, str(workdir), progress=False)
+    if summary["status"] != "completed":
+        return None
+    s, state = loop.restore_latest(cfg, str(workdir))
+    seq_len, batch = int(cfg.data.seq_len), int(cfg.train.batch_size)
+    batches = diagnostic_batches(s.cache.tokens("validation"), seq_len, batch, diag_batches, s.cache.eot_id)
+    collect = make_collect_fn(s.graphdef)
+    params = loop.host_params(state["params"])
     t0 = time.perf_counter()
-    per_seed = [attention_diagnostics(collect, sp.params_of(i), batches, tau_att, tau_conf)
-                for i in range(sp.num_seeds)]
-    _log(f"[{run.name}] diagnostics {time.perf_counter() - t0:.0f}s; ppl {np.round(res.final_ppl, 2)} "
+    per_seed = [attention_diagnostics(collect, params if len(seeds) == 1 else loop.seed_slice(params, i), batches,
+                                      tau_att, tau_conf) for i in range(len(seeds))]
+    final_ppl = summary.get("val_ppl/seeds", [summary["val_ppl"]])
+    _log(f"[{run.name}] diagnostics {time.perf_counter() - t0:.0f}s; ppl {np.round(final_ppl, 2)} "
          f"H_norm {[round(d['mean']['entropy_norm'], 3) for d in per_seed]}")
+    training = {"tokens_per_step": batch * seq_len, "train_seconds": summary["train_seconds"],
+                "eval_tokens": summary["val_tokens"], "seeds": seeds}
     return {"variant": variant, "qk_lr_mult": float(qk_mult), "ov_lr_mult": 1.0,
-            "qk_mult_coupling": bool(qk_mult_coupling), "scale": scale, "steps": steps, "seeds": list(run.seeds),
-            "corpus": cache.manifest["corpus_str"], "tokenizer": tokenizer, "seq_len": seq_len, "batch_size": batch,
+            "qk_mult_coupling": bool(qk_mult_coupling), "scale": scale, "steps": steps, "seeds": seeds,
+            "corpus": summary["corpus"], "tokenizer": tokenizer, "seq_len": seq_len, "batch_size": batch,
             "tau_att": tau_att, "tau_conf": tau_conf, "diag_sequences": len(batches) * batch,
-            "train_cfg": {k: v for k, v in train_cfg.items()}, "training": res.to_dict(),
-            "final_ppl": res.final_ppl, "diagnostics": per_seed}
+            "train_cfg": cfg.train.to_dict(), "training": training, "final_ppl": final_ppl, "diagnostics": per_seed}
 
 
 def per_seed_rows(cells: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -259,11 +265,6 @@ def per_seed_rows(cells: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
                          "tokens_per_seed": tokens, "val_ppl": c["final_ppl"][i],
                          **{k: d[k] for k in LAYER_METRICS}, "valid_rows": d["valid_rows"]})
     return rows
-
-
-def _ms(x: Sequence[float]) -> tuple[float, float]:
-    a = np.asarray(x, np.float64)
-    return float(a.mean()), (float(a.std(ddof=1)) if a.size > 1 else 0.0)
 
 
 def aggregate_rows(cells: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -292,13 +293,6 @@ def per_layer_rows(cells: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
                 row[f"{k}_mean"], row[f"{k}_std"] = _ms([d["layers"][li][k] for d in c["diagnostics"]])
             rows.append(row)
     return rows
-
-
-def write_csv(path: Path, rows: Sequence[Mapping[str, Any]]) -> None:
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
 
 
 def _pm(row: Mapping[str, Any], key: str, fmt: str) -> str:
@@ -409,6 +403,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="skip the uniform-attention chance levels (they re-read the validation tokens)")
     args = p.parse_args(argv)
 
+    from coupled_qk_jax.training import loop  # noqa: PLC0415
+
+    loop.install_sigterm_handler()  # SIGTERM: the running cell saves a checkpoint; the same command continues it
     out = Path(args.out)
     (out / "runs").mkdir(parents=True, exist_ok=True)
     command = "python -m experiments.qkov_lm_bridge " + " ".join(
@@ -429,25 +426,31 @@ def main(argv: list[str] | None = None) -> None:
                     _log(f"[{cell_name(variant, m)}] already done, skipping")
                     cells.append(saved)
                     continue
-            cell = run_cell(variant, m, scale=args.scale, steps=args.steps, seeds=seeds, corpus=args.corpus,
+            workdir = out / "runs" / cell_name(variant, m)
+            if args.force and workdir.exists():
+                shutil.rmtree(workdir)
+            cell = run_cell(variant, m, workdir=workdir, scale=args.scale, steps=args.steps, seeds=seeds, corpus=args.corpus,
                             cache_dir=args.cache_dir, tokenizer=args.tokenizer,
                             qk_mult_coupling=args.qk_mult_coupling, diag_batches=args.diag_batches,
                             tau_att=args.tau_att, tau_conf=args.tau_conf, eval_points=args.eval_points,
                             model_overrides=json.loads(args.model), train_overrides=json.loads(args.train))
+            if cell is None:
+                _log(f"[{cell_name(variant, m)}] stopped with a checkpoint; rerun the same command to continue")
+                return
             path.write_text(json.dumps(cell, indent=1))
             cells.append(cell)
             report(cells, out, command)  # tables after every cell, so partial grids are readable
     reference = None
     if args.reference:
         from coupled_qk_jax.data.token_cache import build_token_cache  # noqa: PLC0415
-        from experiments.sweep import Run, lm_configs  # noqa: PLC0415
+        from experiments.sweep import Run, make_config  # noqa: PLC0415
 
         c0 = cells[0]
         # the same tokenizer/vocabulary as the cells (resolved exactly as run_cell does)
-        model_cfg = lm_configs(Run("ref", c0["variant"], scale=args.scale, tokenizer=args.tokenizer,
-                                   model=json.loads(args.model)))[0]
+        cfg = make_config(Run("ref", c0["variant"], scale=args.scale, tokenizer=args.tokenizer,
+                              model=json.loads(args.model)), args.cache_dir)
         cache = build_token_cache(args.corpus, args.cache_dir, tokenizer=args.tokenizer,
-                                  vocab_size=model_cfg.vocab_size)
+                                  vocab_size=int(cfg.model.vocab_size))
         batches = diagnostic_batches(cache.tokens("validation"), c0["seq_len"], c0["batch_size"], args.diag_batches,
                                      cache.eot_id)
         reference = uniform_reference(batches, args.tau_att)

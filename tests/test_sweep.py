@@ -1,6 +1,8 @@
-"""The ablation runner end to end: a 2-variant x 2-seed x few-step sweep on a tiny text_dir corpus with the byte
-tokenizer, through the CLI (`--spec` JSON), checking the written files against the saved per-run results and an
-independent recomputation of the summary statistics."""
+"""The sweep driver: each cell is a run directory of the training loop. A 2-cell x 2-seed sweep stopped (SIGTERM
+path) in the middle of its second cell and restarted does not rerun the first cell, resumes the second, and writes
+the same tables as an uninterrupted sweep; the tables agree with the run directories' own numbers."""
+
+from __future__ import annotations
 
 import csv
 import json
@@ -9,95 +11,135 @@ import math
 import numpy as np
 import pytest
 
-from experiments import sweep
+from coupled_qk_jax.training import loop, tasks
+from experiments import reports, sweep
+
+TIMING = {"train_seconds", "tokens_per_s_all_seeds"}  # wall-clock columns: the only ones allowed to differ
 
 
-@pytest.fixture
-def text_dir(tmp_path):
-    d = tmp_path / "corpus"
+@pytest.fixture(scope="module")
+def spec(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sweep")
+    d = root / "corpus"
     d.mkdir()
     rng = np.random.default_rng(0)
     words = ["alpha", "beta", "gamma", "delta", "query", "key", "value", "attention", "step", "flow"]
-    # 40 small files: with split fractions 0.5/0.5/0 both train and validation get files.
-    for i in range(40):
-        text = " ".join(rng.choice(words, size=120)) + "\n"
-        (d / f"doc{i:02d}.txt").write_text(text)
-    return d
-
-
-def test_sweep_end_to_end(tmp_path, text_dir):
-    corpus = {"kind": "text_dir", "path": str(text_dir), "split_fractions": [0.5, 0.5, 0.0]}
+    for i in range(40):  # with split fractions 0.5/0.5/0 both train and validation get files
+        (d / f"doc{i:02d}.txt").write_text(" ".join(rng.choice(words, size=60)) + "\n")
+    corpus = {"kind": "text_dir", "path": str(d), "split_fractions": [0.5, 0.5, 0.0]}
     small = {"d_model": 32, "n_layers": 1, "n_heads": 4, "d_ff": 64, "max_len": 32, "coupling_hidden": 8,
              "affine_hidden": 8}
-    runs = [{"name": v, "variant": v, "scale": "tiny", "corpus": corpus, "steps": 6, "seeds": [0, 1],
-             "tokenizer": "byte", "model": small, "train": {"batch_size": 4}} for v in ("standard", "coupled_euler")]
-    spec = tmp_path / "spec.json"
-    spec.write_text(json.dumps(runs))
-    out = tmp_path / "out"
-    argv = ["--spec", str(spec), "--out", str(out), "--cache-dir", str(tmp_path / "cache"), "--eval-points", "3"]
-    sweep.main(argv)
+    runs = [{"name": v, "variant": v, "corpus": corpus, "steps": 6, "seeds": 2, "tokenizer": "byte",
+             "model": small, "train": {"batch_size": 8}} for v in ("standard", "coupled_euler")]
+    path = root / "spec.json"
+    path.write_text(json.dumps(runs))
+    return root, ["--spec", str(path), "--cache-dir", str(root / "cache"), "--eval-points", "3"]
 
-    for name in ("results.csv", "results.md", "curves.csv", "loss_vs_tokens.png", "loss_vs_wall.png", "command.txt"):
-        assert (out / name).is_file() and (out / name).stat().st_size > 0, name
-    with open(out / "results.csv") as f:
-        rows = list(csv.DictReader(f))
+
+def _rows(path):
+    with open(path) as f:
+        return [{k: v for k, v in r.items() if k not in TIMING} for r in csv.DictReader(f)]
+
+
+def test_stopped_sweep_resumes_and_matches_uninterrupted(spec, monkeypatch, capsys):
+    root, argv = spec
+    stopped, straight = root / "stopped", root / "straight"
+
+    # First invocation: stop at step 3 of the second cell, as SIGTERM does (the handler sets this flag).
+    batches = {"n": 0}
+    real_batch = tasks.global_seed_batch
+
+    def counting_batch(*args):
+        batches["n"] += 1
+        if batches["n"] == 6 + 3:  # the first cell has 6 steps
+            loop._STOP_REQUESTED.set()
+        return real_batch(*args)
+
+    monkeypatch.setattr(tasks, "global_seed_batch", counting_batch)
+    try:
+        sweep.main([*argv, "--out", str(stopped)])
+    finally:
+        loop._STOP_REQUESTED.clear()
+    monkeypatch.setattr(tasks, "global_seed_batch", real_batch)
+    assert json.loads((stopped / "runs" / "standard" / "summary.json").read_text())["status"] == "completed"
+    assert json.loads((stopped / "runs" / "coupled_euler" / "summary.json").read_text())["status"] == "preempted"
+    assert not (stopped / "results.csv").exists()
+
+    # Second invocation: the first cell is not trained again, the second resumes from its step-3 checkpoint.
+    trained = []
+    real_train = loop.train
+    monkeypatch.setattr(loop, "train", lambda cfg, workdir, **kw: (trained.append(workdir), real_train(cfg, workdir,
+                                                                                                       **kw))[1])
+    capsys.readouterr()
+    sweep.main([*argv, "--out", str(stopped)])
+    assert [p.rsplit("/", 1)[-1] for p in trained] == ["coupled_euler"]
+    assert "at step 3" in capsys.readouterr().out
+
+    sweep.main([*argv, "--out", str(straight)])  # the uninterrupted reference
+    for name in ("results.csv",):
+        assert _rows(stopped / name) == _rows(straight / name)
+    curves = [[{k: v for k, v in r.items() if k != "wall_seconds"} for r in _rows(d / "curves.csv")]
+              for d in (stopped, straight)]
+    assert curves[0] == curves[1]
+
+    # The table against the run directories' own numbers (mean and sample std over the two seeds).
+    rows = _rows(stopped / "results.csv")
     assert [r["variant"] for r in rows] == ["standard", "coupled_euler"]
     for r in rows:
-        saved = json.loads((out / "runs" / f"{r['run']}.json").read_text())
-        ppl = [math.exp(x) for x in saved["eval_loss"][-1]]
+        summary = json.loads((stopped / "runs" / r["run"] / "summary.json").read_text())
+        ppl = summary["val_ppl/seeds"]
         assert len(ppl) == 2 and all(math.isfinite(p) for p in ppl)
         assert float(r["val_ppl_mean"]) == pytest.approx(np.mean(ppl))
         assert float(r["val_ppl_std"]) == pytest.approx(np.std(ppl, ddof=1))
-        assert int(r["tokens_per_seed"]) == 6 * 4 * 32
-        assert saved["eval_steps"] == [2, 4, 6]
-        # a byte-level model barely trained for 6 steps: perplexity below the uniform 257 but far from perfect
-        assert 1.0 < float(r["val_ppl_mean"]) < 257.0 * 1.5
-        assert float(r["tokens_per_s_all_seeds"]) > 0
-        # attention diagnostics of each trained seed, summarised as seed means
-        assert len(saved["diagnostics"]) == 2
-        erank = np.mean([d["model_mean"]["effective_rank"] for d in saved["diagnostics"]])
-        assert float(r["diag_effective_rank"]) == pytest.approx(erank)
-        assert 1.0 <= erank <= 32.0  # between rank one and the window length
-        assert (out / "diagnostics" / f"{r['run']}_seed0.png").is_file()
-    # the default target is the worse run's final mean perplexity, which every run (on average) reaches
-    target = max(float(r["val_ppl_mean"]) for r in rows)
-    assert all(float(r["target_ppl"]) == pytest.approx(target) for r in rows)
-    md = (out / "results.md").read_text()
-    assert "| run |" in md and "coupled_euler" in md and "python -m experiments.sweep --spec" in md
-    assert "attn eff. rank" in md
-    with open(out / "curves.csv") as f:
+        assert int(r["tokens_per_seed"]) == 6 * 8 * 32
+        diag = json.loads((stopped / "runs" / r["run"] / "diagnostics.json").read_text())
+        assert len(diag) == 2
+        assert float(r["diag_effective_rank"]) == pytest.approx(np.mean([d["model_mean"]["effective_rank"]
+                                                                         for d in diag]))
+    md = (stopped / "results.md").read_text()
+    assert "| run |" in md and "python -m experiments.sweep --spec" in md
+    with open(stopped / "curves.csv") as f:
         curves = list(csv.DictReader(f))
-    assert {c["split"] for c in curves} == {"train", "validation"}
-    assert len([c for c in curves if c["split"] == "validation"]) == 2 * 2 * 3  # runs x seeds x evals
+    assert len([c for c in curves if c["split"] == "validation"]) == 2 * 2 * 3  # cells x seeds x evaluations
 
-    # rerunning resumes: saved runs are skipped, so the results are identical
-    before = (out / "results.csv").read_text()
-    sweep.main(argv)
-    assert (out / "results.csv").read_text().split("\n")[1].split(",")[:12] == before.split("\n")[1].split(",")[:12]
+    # A cell directory trained with another configuration is refused with a one-line error.
+    other = json.loads((root / "spec.json").read_text())
+    other[0]["steps"] = 8
+    (root / "other.json").write_text(json.dumps(other))
+    with pytest.raises(SystemExit) as info:
+        sweep.main(["--spec", str(root / "other.json"), *argv[2:], "--out", str(stopped)])
+    assert info.value.code == 2 and "another configuration" in capsys.readouterr().err
 
 
 def test_tokens_to_target_interpolates():
     r = {"tokens_per_step": 100, "eval_steps": [1, 2, 3], "eval_loss": [[3.0], [2.0], [1.0]]}
-    assert sweep._tokens_to_target(r, 0, 1.5) == pytest.approx(250.0)
-    assert sweep._tokens_to_target(r, 0, 3.5) == pytest.approx(100.0)
-    assert sweep._tokens_to_target(r, 0, 0.5) is None
+    assert reports.tokens_to_target(r, 0, 1.5) == pytest.approx(250.0)
+    assert reports.tokens_to_target(r, 0, 3.5) == pytest.approx(100.0)
+    assert reports.tokens_to_target(r, 0, 0.5) is None
 
 
 @pytest.mark.parametrize("name", list("abcdeh"))
-def test_recipes_build(name):
-    runs = sweep.recipe(name, scale="mini", steps=100, seeds=(0, 1, 2))
+def test_recipes_build(name, tmp_path):
+    runs = sweep.recipe(name, scale="mini", steps=100, seeds=3)
     assert len({r.name for r in runs}) == len(runs) >= 2
     for r in runs:
-        model_cfg, train, seq_len, batch = sweep.lm_configs(r)
-        assert train["steps"] == r.steps and seq_len == model_cfg.max_len
+        cfg = sweep.make_config(r, str(tmp_path))
+        assert cfg.train.steps == r.steps and cfg.data.seq_len == cfg.model.max_len == 128
+        assert cfg.train.num_seeds == 3 and cfg.train.eval_every == 10 == cfg.checkpoint.every
     if name == "e":
         assert [r.steps for r in runs] == [100, 100, 240]
     if name == "c":
         assert sorted(r.model.get("n_steps", 1) for r in runs) == [1, 1, 2, 3, 5, 7]
 
 
-def test_recipe_g_mqar_configs():
-    runs = sweep.recipe("g", scale="mini", steps=0, seeds=(0,), levels=("easy", "hard"), epochs=2)
+def test_recipe_g_mqar_configs_and_grid(tmp_path):
+    runs = sweep.recipe("g", scale="mini", steps=0, seeds=3, levels=("easy", "hard"), epochs=2)
+    runs = sweep.with_grid(runs, "train.lr", [1e-3, 3e-3])
+    assert len(runs) == 2 * 4 * 2 and runs[0].name == "easy/standard/lr=0.001"
     for r in runs:
-        model_cfg, train, epochs, _, _ = sweep.mqar_configs(r)
-        assert model_cfg.d_ff == 0 and epochs == 2 and train["steps"] > 0
+        cfg = sweep.make_config(r, str(tmp_path))
+        spe = math.ceil(cfg.mqar.num_train / cfg.train.batch_size)
+        assert cfg.task == "mqar" and cfg.model.d_ff == 0 and cfg.train.steps == 2 * spe
+        assert cfg.train.lr == r.config["train.lr"] and cfg.train.num_seeds == 3
+    with pytest.raises(ValueError, match="unknown config field"):
+        sweep.make_config(sweep.Run("x", "standard", config={"train.lrr": 1.0}), str(tmp_path))

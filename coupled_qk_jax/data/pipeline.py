@@ -116,12 +116,19 @@ def make_train_iterator(tokens: np.ndarray, seq_len: int, batch_size: int, seed:
       A ``grain.DatasetIterator`` yielding ``{"inputs": [B, T] int32, "targets": [B, T] int32}``; it supports
       ``get_state()/set_state()`` and ``grain.checkpoint.CheckpointSave/CheckpointRestore``.
     """
-    _check_common(tokens, seq_len, batch_size, process_index, process_count)
-    ds = (train_window_starts(tokens, seq_len, seed, process_index, process_count)
-          .batch(batch_size, drop_remainder=True)
-          .map(_Gather(tokens, seq_len)))
+    ds = train_batches(tokens, seq_len, batch_size, seed, process_index, process_count)
     read = grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=prefetch_buffer_size)
     return iter(ds.to_iter_dataset(read))
+
+
+def train_batches(tokens: np.ndarray, seq_len: int, batch_size: int, seed: int, process_index: int = 0,
+                  process_count: int = 1) -> grain.MapDataset:
+    """The random-access dataset behind :func:`make_train_iterator`: element ``i`` is this host's batch ``i``
+    (``{"inputs", "targets"}`` [batch_size, T] int32). The training loop stacks one per seed (``train.num_seeds``)."""
+    _check_common(tokens, seq_len, batch_size, process_index, process_count)
+    return (train_window_starts(tokens, seq_len, seed, process_index, process_count)
+            .batch(batch_size, drop_remainder=True)
+            .map(_Gather(tokens, seq_len)))
 
 
 def num_eval_batches(num_tokens: int, seq_len: int, batch_size: int, *, bos_id: int | None = None,

@@ -11,7 +11,6 @@ result does not depend on the batch size beyond float32 rounding inside one batc
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable
 
 import jax
@@ -47,7 +46,8 @@ def evaluate_tokens(eval_step: Callable, params: Any, tokens: np.ndarray, seq_le
       max_batches: 0 = the whole split; otherwise only the first ``max_batches`` batches (a cheaper estimate).
 
     Returns:
-      {"loss": mean NLL in nats, "ppl": exp(loss), "tokens": number of scored tokens}.
+      {"loss": mean NLL in nats, "ppl": exp(loss), "tokens": number of scored tokens}; loss and ppl are floats, or
+      float64 arrays [S] when ``eval_step`` is vmapped over a seed axis of ``params``.
     """
     hosts = jax.process_count()
     if global_batch_size % hosts:
@@ -62,7 +62,11 @@ def evaluate_tokens(eval_step: Callable, params: Any, tokens: np.ndarray, seq_le
         if i == limit:
             break
         outs.append(eval_step(params, shd.global_batch(batch, mesh)))  # async dispatch; read back below
-    nll = sum(float(s) for s, _ in outs)  # float64 accumulation on the host
-    count = sum(int(c) for _, c in outs)
+    # float64 accumulation on the host; a seed-parallel eval step returns [S] sums (one per seed, same count).
+    nll = np.sum([np.asarray(s, np.float64) for s, _ in outs], axis=0)
+    count = sum(int(np.asarray(c).reshape(-1)[0]) for _, c in outs)
     loss = nll / max(count, 1)
-    return {"loss": loss, "ppl": math.exp(loss) if loss < 700 else float("inf"), "tokens": count}
+    ppl = np.where(loss < 700, np.exp(np.minimum(loss, 700)), np.inf)
+    if np.ndim(loss) == 0:
+        return {"loss": float(loss), "ppl": float(ppl), "tokens": count}
+    return {"loss": loss, "ppl": ppl, "tokens": count}

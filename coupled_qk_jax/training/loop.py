@@ -6,19 +6,29 @@ step depends on process history. The dropout key of step s is ``fold_in(fold_in(
 is the grain iterator's checkpointed position, and the learning rate is a function of the step in the optimiser
 state, so 2N steps in one go and N steps + resume + N steps give bitwise identical params and losses.
 
+What is trained and how it is scored is the task plug-in (``training/tasks.py``, ``cfg.task``: language modelling or
+MQAR): a data source and an evaluator. Seeds are an axis of the loop: with ``train.num_seeds = S > 1`` the train
+state has a leading seed axis holding seeds ``train.seed, ..., train.seed + S - 1``, each initialised, fed and keyed
+exactly as the single run with that seed, and the step is ``jax.vmap``-ed over it (one compiled program, one
+checkpoint holding every seed). The seed axis is replicated over the mesh; each seed's batch and params are split
+over the mesh exactly as a single run's (docs/experiments.md). A single run (S = 1) has no seed axis.
+
 Public entry points: :func:`train` (used by train.py and the main job) and :func:`evaluate_checkpoint` (eval.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import signal
 import time
 from typing import Any
 
+import grain
 import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 from flax import nnx
@@ -28,14 +38,14 @@ from jax.sharding import PartitionSpec as P
 from coupled_qk_jax import sharding as shd
 from coupled_qk_jax.config import ModelConfig
 from coupled_qk_jax.data.corpora import CorpusSpec
-from coupled_qk_jax.data.pipeline import make_train_iterator
 from coupled_qk_jax.data.token_cache import TokenCache, build_token_cache
 from coupled_qk_jax.errors import UserError
 from coupled_qk_jax.model import TransformerLM
 from coupled_qk_jax.training import optimizer as opt_lib
+from coupled_qk_jax.training import tasks
 from coupled_qk_jax.training.checkpoint import Checkpointer, abstract_target
-from coupled_qk_jax.training.evaluate import evaluate_tokens, make_sharded_eval_step
 from coupled_qk_jax.training.steps import init_train_state, make_train_step, split_model
+from coupled_qk_jax.reporting import mean_std
 from coupled_qk_jax.training.writers import MetricsWriter, read_metrics, write_json_atomic
 
 # Set by the SIGINT/SIGTERM handler (to the signal's number); the loop checks it at every step boundary, saves,
@@ -80,8 +90,10 @@ def model_config(cfg: ml_collections.ConfigDict) -> ModelConfig:
 
 
 def corpus_spec(data_cfg: ml_collections.ConfigDict) -> CorpusSpec:
-    """data.corpus (the data layer's string) plus the optional split_fractions / max_bytes overrides."""
-    spec = CorpusSpec.coerce(str(data_cfg.corpus))
+    """data.corpus (the data layer's string, or the JSON of a CorpusSpec dict, e.g. a mixture with per-source splits)
+    plus the optional split_fractions / max_bytes overrides."""
+    text = str(data_cfg.corpus).strip()
+    spec = CorpusSpec.coerce(json.loads(text) if text.startswith("{") else text)
     changes: dict[str, Any] = {}
     if str(data_cfg.get("split_fractions", "")).strip():
         try:
@@ -114,9 +126,7 @@ def validate(cfg: ml_collections.ConfigDict, mesh_batch_devices: int) -> ModelCo
         raise UserError(f"the micro-batch train.batch_size/train.grad_accum={b // accum} is not divisible by the "
                          f"{mesh_batch_devices} data-parallel devices (mesh.data * mesh.fsdp); change the batch "
                          f"size or --config.mesh.data")
-    if eval_batch_size(cfg) % mesh_batch_devices:
-        raise UserError(f"the eval batch size {eval_batch_size(cfg)} is not divisible by the {mesh_batch_devices} "
-                         f"data-parallel devices; set train.eval_batch_size")
+    seeds_of(cfg)  # validates train.num_seeds
     for name in ("log_every", "eval_every", "eval_batches"):
         if int(cfg.train[name]) < 0:
             raise UserError(f"train.{name} must be >= 0, got {cfg.train[name]}")
@@ -127,8 +137,13 @@ def validate(cfg: ml_collections.ConfigDict, mesh_batch_devices: int) -> ModelCo
     return mcfg
 
 
-def eval_batch_size(cfg: ml_collections.ConfigDict) -> int:
-    return int(cfg.train.get("eval_batch_size", 0)) or int(cfg.train.batch_size)
+def seeds_of(cfg: ml_collections.ConfigDict) -> list[int]:
+    """The run's seeds: ``train.seed, ..., train.seed + train.num_seeds - 1`` (replica i = the single run with the
+    i-th of them)."""
+    n = int(cfg.train.get("num_seeds", 1))
+    if n < 1:
+        raise UserError(f"train.num_seeds must be >= 1, got {n}")
+    return [int(cfg.train.seed) + i for i in range(n)]
 
 
 def load_data(cfg: ml_collections.ConfigDict, mcfg: ModelConfig) -> TokenCache:
@@ -143,12 +158,18 @@ def load_data(cfg: ml_collections.ConfigDict, mcfg: ModelConfig) -> TokenCache:
 
 
 def check_compatible(saved: dict[str, Any], cfg: ml_collections.ConfigDict, workdir: str, step: int) -> None:
-    """Refuse a config whose model differs from the checkpoint's: resuming would silently mix two models."""
+    """Refuse a config whose model or seeds differ from the checkpoint's: resuming would silently mix two runs."""
     old, new = dict(saved.get("model", {})), cfg.model.to_dict()
     diffs = [f"model.{k}: checkpoint {old.get(k)!r} vs config {new.get(k)!r}"
              for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+    old_train = dict(saved.get("train", {}))
+    for k, default in (("seed", 0), ("num_seeds", 1)):
+        if int(old_train.get(k, default)) != int(cfg.train.get(k, default)):
+            diffs.append(f"train.{k}: checkpoint {old_train.get(k, default)!r} vs config {cfg.train.get(k, default)!r}")
+    if str(saved.get("task", "lm")) != tasks.task_name(cfg):
+        diffs.append(f"task: checkpoint {saved.get('task', 'lm')!r} vs config {tasks.task_name(cfg)!r}")
     if diffs:
-        raise UserError(f"workdir {workdir} holds a checkpoint (step {step}) of a different model "
+        raise UserError(f"workdir {workdir} holds a checkpoint (step {step}) of a different model or seeds "
                          f"({'; '.join(diffs[:3])}{'; ...' if len(diffs) > 3 else ''}); use a new --workdir")
 
 
@@ -159,7 +180,9 @@ class Setup:
     cfg: ml_collections.ConfigDict
     mcfg: ModelConfig
     mesh: jax.sharding.Mesh
-    cache: TokenCache
+    cache: TokenCache | None  # the token cache of an LM task (None for MQAR)
+    task: Any  # tasks.LMTask | tasks.MQARTask: the data source and the evaluator
+    seeds: list[int]  # one per replica; a leading seed axis on every state leaf when len(seeds) > 1
     graphdef: Any
     abstract_state: dict  # ShapeDtypeStructs of {"params", "opt_state", "step"}
     tx: Any
@@ -171,11 +194,13 @@ class Setup:
 
     def init_state(self) -> dict:
         """A fresh train state, created by one jitted function directly in its shardings (one compile instead of
-        one per eager init op, and no full copy on a single device first)."""
-        mcfg, seed, tx = self.mcfg, int(self.cfg.train.seed), self.tx
+        one per eager init op, and no full copy on a single device first). Seed i's params are exactly
+        ``TransformerLM(mcfg, seeds[i])``'s, as in the single run with that seed."""
+        mcfg, seeds, tx = self.mcfg, self.seeds, self.tx
 
         def init():
-            return init_train_state(split_model(TransformerLM(mcfg, seed))[1], tx)
+            states = [init_train_state(split_model(TransformerLM(mcfg, seed))[1], tx) for seed in seeds]
+            return states[0] if len(states) == 1 else jax.tree.map(lambda *xs: jnp.stack(xs), *states)
 
         return jax.jit(init, out_shardings=self.shardings)()
 
@@ -202,49 +227,113 @@ def _setup_rest(cfg: ml_collections.ConfigDict, mcfg: ModelConfig, mesh: jax.sha
     latest = checkpointer.latest_step()
     if latest is not None:  # before the (possibly slow) tokenisation: refuse early
         check_compatible(checkpointer.saved_config(latest), cfg, workdir, latest)
-    cache = load_data(cfg, mcfg)
-    skipped = sum(int(v.get("skipped_non_utf8", 0)) for v in cache.manifest["splits"].values())
-    if skipped and jax.process_index() == 0:
-        print(f"warning: skipped {skipped} non-UTF-8 file(s) in {cfg.data.corpus} (see the token cache manifest)",
-              flush=True)
-    seed = int(cfg.train.seed)
+    batch_devices = mesh.shape["data"] * mesh.shape["fsdp"]
+    cache = None
+    if tasks.task_name(cfg) == "lm":
+        cache = load_data(cfg, mcfg)
+        task = tasks.LMTask(cfg, cache)
+        skipped = task.summary()["skipped_non_utf8"]
+        if skipped and jax.process_index() == 0:
+            print(f"warning: skipped {skipped} non-UTF-8 file(s) in {cfg.data.corpus} (see the token cache "
+                  f"manifest)", flush=True)
+    else:
+        task = tasks.MQARTask(cfg, mcfg, batch_devices)
+    task.validate(batch_devices)
+    seeds = seeds_of(cfg)
     # Shapes only: the abstract model carries the logical-axis metadata that the shardings are read from.
-    abstract_model = nnx.eval_shape(lambda: TransformerLM(mcfg, seed))
+    abstract_model = nnx.eval_shape(lambda: TransformerLM(mcfg, seeds[0]))
     graphdef, abstract_params = split_model(abstract_model)
     tx = opt_lib.make_optimizer(abstract_params, cfg.train)
     abstract_state = jax.eval_shape(lambda p: init_train_state(p, tx), abstract_params)
     shardings = shd.train_state_shardings(abstract_model, tx, abstract_state, mesh)
+    if len(seeds) > 1:  # the seed axis leads every leaf and is replicated: each seed is sharded as a single run
+        abstract_state = jax.tree.map(lambda x: jax.ShapeDtypeStruct((len(seeds),) + x.shape, x.dtype),
+                                      abstract_state)
+        shardings = jax.tree.map(lambda sh: NamedSharding(mesh, P(None, *sh.spec)), shardings)
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(abstract_params))
     gather = shd.fsdp_gather(abstract_model, mesh)  # identity unless mesh.fsdp > 1
-    return Setup(cfg, mcfg, mesh, cache, graphdef, abstract_state, tx, shardings, n_params, checkpointer, latest,
-                 gather)
+    return Setup(cfg, mcfg, mesh, cache, task, seeds, graphdef, abstract_state, tx, shardings, n_params,
+                 checkpointer, latest, gather)
 
 
 def make_sharded_train_step(s: Setup):
-    """jit(train_step) with explicit shardings; the state is donated (updated in place)."""
+    """jit(train_step) with explicit shardings; the state is donated (updated in place). With several seeds the
+    single-seed step is vmapped over the leading seed axis of the state, the batch ([S, B, T]) and the seeds."""
     cfg = s.cfg
     step_fn = make_train_step(s.graphdef, s.tx, int(cfg.train.grad_accum), use_dropout=s.mcfg.dropout > 0,
                               param_transform=s.param_transform)
-    seed = int(cfg.train.seed)
 
-    def train_step(state, batch):
-        # The key depends only on (seed, step): a resumed run draws exactly the keys of an uninterrupted one.
+    def one_seed(state, batch, seed):
+        # The key depends only on (seed, step): a resumed run draws exactly the keys of an uninterrupted one, and
+        # replica i of a seed-parallel run the keys of the single run with seed i.
         key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), 1), state["step"])
         return step_fn(state, batch, key)
 
-    batch_sh = shd.batch_sharding(s.mesh)
+    if len(s.seeds) == 1:
+        def train_step(state, batch):
+            return one_seed(state, batch, s.seeds[0])
+    else:
+        seeds = np.asarray(s.seeds, np.int32)
+
+        def train_step(state, batch):
+            return jax.vmap(one_seed)(state, batch, seeds)
+
+    batch_sh = tasks.seed_batch_sharding(s.mesh, len(s.seeds))
     replicated = NamedSharding(s.mesh, P())
     return jax.jit(train_step, in_shardings=(s.shardings, {"inputs": batch_sh, "targets": batch_sh}),
                    out_shardings=(s.shardings, replicated), donate_argnums=(0,))
 
 
+def make_evaluator(s: Setup) -> tasks.Evaluator:
+    """The task's evaluator for this run's params (seed axis included): ``(params, split, max_batches) -> dict``."""
+    return s.task.make_evaluator(s.graphdef, s.shardings["params"], s.mesh, s.param_transform, len(s.seeds))
+
+
+class _StackSeeds:
+    """Index -> the same element of every seed's dataset, stacked on a leading seed axis."""
+
+    def __init__(self, datasets: list[grain.MapDataset]) -> None:
+        self.datasets = datasets
+
+    def __call__(self, index: int) -> dict[str, np.ndarray]:
+        items = [d[int(index)] for d in self.datasets]
+        return {k: np.stack([item[k] for item in items]) for k in items[0]}
+
+
+def make_data_iterator(s: Setup) -> grain.DatasetIterator:
+    """This host's checkpointable iterator of training batches: the task's dataset for the run's seed, or with
+    several seeds element i of every seed's dataset stacked ([S, B_host, T]), so one iterator position (one
+    checkpointed state) serves every seed and seed i sees exactly the single run's batches."""
+    cfg = s.cfg
+    # Which rows of the global batch this host loads: usually (process_index, process_count), but processes
+    # that hold the same batch rows (a tensor axis across hosts) must load the same data.
+    slice_index, slice_count = shd.process_batch_slice(s.mesh, int(cfg.train.batch_size))
+    datasets = [s.task.train_dataset(seed, slice_index, slice_count) for seed in s.seeds]
+    ds = datasets[0] if len(datasets) == 1 else grain.MapDataset.range(len(datasets[0])).map(_StackSeeds(datasets))
+    read = grain.ReadOptions(num_threads=int(cfg.data.get("num_threads", 2)), prefetch_buffer_size=8)
+    return iter(ds.to_iter_dataset(read))
+
+
+def per_seed(metrics: dict[str, Any], num_seeds: int) -> dict[str, Any]:
+    """Per-seed arrays [S] -> the metrics.jsonl / summary form: ``name`` = the mean over seeds (the value itself for
+    a single run) and, with several seeds, ``name/seeds`` = the list in seed order. Other values pass through."""
+    out: dict[str, Any] = {}
+    for k, v in metrics.items():
+        if isinstance(v, np.ndarray):
+            out[k] = float(np.mean(v))
+            if num_seeds > 1:
+                out[f"{k}/seeds"] = [float(x) for x in v]
+        else:
+            out[k] = v
+    return out
+
+
 def _summary_base(s: Setup, workdir: str) -> dict[str, Any]:
     cfg = s.cfg
-    return {"variant": s.mcfg.variant, "scale": str(cfg.get("scale", "")), "n_params": s.n_params,
-            "corpus": str(cfg.data.corpus), "seq_len": int(cfg.data.seq_len),
+    return {"task": s.task.name, "variant": s.mcfg.variant, "scale": str(cfg.get("scale", "")),
+            "n_params": s.n_params, "seeds": list(s.seeds), "seq_len": int(cfg.data.seq_len),
             "batch_size": int(cfg.train.batch_size), "workdir": os.path.basename(os.path.abspath(workdir)),
-            "token_cache": s.cache.directory.name,
-            "skipped_non_utf8": sum(int(v.get("skipped_non_utf8", 0)) for v in s.cache.manifest["splits"].values()), "devices": jax.device_count(), "processes": jax.process_count(),
+            **s.task.summary(), "devices": jax.device_count(), "processes": jax.process_count(),
             "mesh": dict(s.mesh.shape)}
 
 
@@ -258,31 +347,24 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True
     """Train (or resume) the run in ``workdir`` up to ``train.steps`` (or ``train.stop_after``); returns the summary.
 
     Raises UserError (bad config / data / incompatible checkpoint) or NonFiniteLossError. Returns early, after a
-    checkpoint, when SIGINT or SIGTERM was received (``summary["status"] == "interrupted"``, ``summary["signal"]``). With ``return_state`` it returns
-    ``(summary, state)``, the final train state as numpy arrays (for tests).
+    checkpoint, when SIGINT or SIGTERM was received (``summary["status"] == "interrupted"``, ``summary["signal"]``).
+    With ``return_state`` it returns ``(summary, state)``, the final train state as numpy arrays (for tests; leading
+    seed axis when num_seeds > 1).
     """
     t_start = time.time()
     workdir = os.path.abspath(workdir)
     os.makedirs(workdir, exist_ok=True)
     s = setup(cfg, workdir)
     main = jax.process_index() == 0
+    n_seeds = len(s.seeds)
     steps = int(cfg.train.steps)
     stop_at = min(steps, int(cfg.train.get("stop_after", 0)) or steps)
-    tokens_per_step = int(cfg.train.batch_size) * int(cfg.data.seq_len)
+    tokens_per_step = int(cfg.train.batch_size) * int(cfg.data.seq_len)  # per seed
     config_json = cfg.to_dict()
 
     try:
-        if s.cache.tokens("validation").shape[0] < 2:  # found now, not after hours of training
-            raise UserError(f"the validation split of {cfg.data.corpus} is empty; a small directory needs larger "
-                             f"held-out shares, e.g. --config.data.split_fractions=0.8,0.1,0.1")
-        # Data: this host's slice of one seeded stream of random windows.
-        # Which rows of the global batch this host loads: usually (process_index, process_count), but processes
-        # that hold the same batch rows (a tensor axis across hosts) must load the same data.
-        slice_index, slice_count = shd.process_batch_slice(s.mesh, int(cfg.train.batch_size))
-        per_host = int(cfg.train.batch_size) // slice_count
-        data_iter = make_train_iterator(s.cache.tokens("train"), int(cfg.data.seq_len), per_host,
-                                        int(cfg.train.seed), slice_index, slice_count,
-                                        num_threads=int(cfg.data.get("num_threads", 2)))
+        # Data: this host's slice of one seeded stream of batches per seed.
+        data_iter = make_data_iterator(s)
         # State: restored (arrays land directly in their shardings, the iterator at its saved position) or fresh.
         if s.latest is not None:
             state = s.checkpointer.restore(s.latest, abstract_target(s.abstract_state, s.shardings), data_iter)
@@ -293,18 +375,20 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True
     except BaseException:
         s.checkpointer.close()
         raise
-    step = int(state["step"])
+    step = int(np.asarray(state["step"]).reshape(-1)[0])
     last_saved = s.latest
-    writer = MetricsWriter(workdir, resume_step=step)
+    writer = MetricsWriter(workdir, resume_step=step, seeds=s.seeds)
     train_step = make_sharded_train_step(s)
-    eval_step = make_sharded_eval_step(s.graphdef, s.shardings["params"], s.mesh, s.param_transform)
+    evaluator = make_evaluator(s)
     schedule = opt_lib.learning_rate_schedule(cfg.train)
-    val_tokens = s.cache.tokens("validation")
 
     def validate_now(whole: bool = False) -> dict[str, Any]:
-        """Periodic evaluations may use the first train.eval_batches batches; the final one scores every token."""
-        return evaluate_tokens(eval_step, state["params"], val_tokens, int(cfg.data.seq_len), eval_batch_size(cfg),
-                               s.mesh, bos_id=s.cache.eot_id, max_batches=0 if whole else int(cfg.train.eval_batches))
+        """Periodic evaluations may use the first train.eval_batches batches; the final one scores every example."""
+        nonlocal eval_seconds
+        t0 = time.perf_counter()
+        out = evaluator(state["params"], max_batches=0 if whole else int(cfg.train.eval_batches))
+        eval_seconds += time.perf_counter() - t0
+        return out
 
     def save(at: int) -> None:
         nonlocal last_saved, t_saved
@@ -330,28 +414,37 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True
 
     bar = tqdm(total=stop_at, initial=step, disable=not (progress and main), dynamic_ncols=True, unit="step")
     log_every, eval_every, ckpt_every = int(cfg.train.log_every), int(cfg.train.eval_every), int(cfg.checkpoint.every)
-    window_loss, window_n = 0.0, 0
-    # A resumed run that has nothing left to train reports the last logged training loss.
-    logged = [r["train_loss"] for r in read_metrics(workdir) if "train_loss" in r]
-    train_loss = float(logged[-1]) if logged else float("nan")
+    window_loss, window_n = np.zeros(n_seeds), 0
+    # A resumed run that has nothing left to train reports the last logged training loss; its training time
+    # continues from the last logged total.
+    logged = [r for r in read_metrics(workdir) if "train_loss" in r]
+    train_loss = (np.asarray(logged[-1].get("train_loss/seeds", logged[-1]["train_loss"]), np.float64).reshape(-1)
+                  if logged else np.full(n_seeds, np.nan))
+    train_seconds_before = float(logged[-1].get("train_seconds", 0.0)) if logged else 0.0
     val: dict[str, Any] = {}
     status = "completed" if stop_at == steps else "stopped"
-    # Throughput over this process's steps, from the end of the first step (which includes compilation).
-    t_first, steps_timed = None, 0
+    # Throughput over this process's steps, from the end of the first step (which includes compilation), with the
+    # periodic evaluations' time taken out.
+    t_first, steps_timed, eval_seconds = None, 0, 0.0
     t_window = time.perf_counter()
     try:
         while step < stop_at:
-            batch = shd.global_batch(next(data_iter), s.mesh)
+            batch = tasks.global_seed_batch(next(data_iter), s.mesh, n_seeds)
             state, metrics = train_step(state, batch)
             step += 1
-            loss, grad_norm = float(metrics["loss"]), float(metrics["grad_norm"])  # syncs: cheap next to a step
-            if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            # syncs: cheap next to a step
+            loss = np.asarray(metrics["loss"], np.float64).reshape(-1)
+            grad_norm = np.asarray(metrics["grad_norm"], np.float64).reshape(-1)
+            if not (np.all(np.isfinite(loss)) and np.all(np.isfinite(grad_norm))):
                 status = "nonfinite"
                 s.checkpointer.wait()
                 last_saved = s.checkpointer.drop_unverified(step - 1)
+                bad = [seed for seed, l, g in zip(s.seeds, loss, grad_norm) if not (math.isfinite(l)
+                                                                                    and math.isfinite(g))]
                 raise NonFiniteLossError(
-                    f"non-finite loss ({loss}) or gradient norm ({grad_norm}) at step {step}; stopped, the last good "
-                    f"checkpoint is {'step ' + str(last_saved) if last_saved is not None else 'none (no save yet)'}")
+                    f"non-finite loss ({loss.tolist() if n_seeds > 1 else loss[0]}) or gradient norm at step {step}"
+                    f"{f' (seeds {bad})' if n_seeds > 1 else ''}; stopped, the last good checkpoint is "
+                    f"{'step ' + str(last_saved) if last_saved is not None else 'none (no save yet)'}")
             now = time.perf_counter()
             if t_first is None:
                 t_first = now
@@ -361,16 +454,18 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True
             window_n += 1
             if log_every and (step % log_every == 0 or step == stop_at):
                 train_loss = window_loss / window_n
-                tps = window_n * tokens_per_step / max(now - t_window, 1e-9)
-                writer.write(step, {"train_loss": train_loss, "lr": float(schedule(step - 1)),
-                                    "grad_norm": grad_norm, "tokens_seen": step * tokens_per_step,
-                                    "tokens_per_second": tps})
-                bar.set_postfix(loss=f"{train_loss:.3f}", tok_s=f"{tps:,.0f}")
-                window_loss, window_n, t_window = 0.0, 0, time.perf_counter()
+                tps = window_n * tokens_per_step * n_seeds / max(now - t_window, 1e-9)
+                elapsed = train_seconds_before + (now - t_first - eval_seconds)
+                writer.write(step, {**per_seed({"train_loss": train_loss, "grad_norm": grad_norm}, n_seeds),
+                                    "lr": float(schedule(step - 1)), "tokens_seen": step * tokens_per_step,
+                                    "tokens_per_second": tps, "train_seconds": elapsed})
+                bar.set_postfix(loss=f"{float(np.mean(train_loss)):.3f}", tok_s=f"{tps:,.0f}")
+                window_loss, window_n, t_window = np.zeros(n_seeds), 0, time.perf_counter()
             bar.update(1)
             if eval_every and step % eval_every == 0 and step < stop_at:
                 val = validate_now()
-                writer.write(step, {"val_loss": val["loss"], "val_ppl": val["ppl"], "val_tokens": val["tokens"]})
+                writer.write(step, per_seed(val, n_seeds))
+                t_window += time.perf_counter() - now  # the window's tokens/s counts training time only
             # One process: our SIGINT/SIGTERM flag. Several: orbax's preemption sync (jax.distributed's SIGTERM
             # notice), which makes every process stop at the same step, so their collective save cannot deadlock.
             stop_requested = (bool(_STOP_SIGNAL) if jax.process_count() == 1
@@ -385,23 +480,37 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True
             train_loss = window_loss / window_n if window_n else train_loss
         if status != "interrupted":
             val = validate_now(whole=True)
-            writer.write(step, {"val_loss": val["loss"], "val_ppl": val["ppl"], "val_tokens": val["tokens"]})
+            writer.write(step, per_seed(val, n_seeds))
     finally:
         bar.close()
         s.checkpointer.wait()  # a pending async save must land before we report (or exit)
         writer.close()
         s.checkpointer.close()
-    train_time = (time.perf_counter() - t_first) if t_first is not None else 0.0
+    train_time = (time.perf_counter() - t_first - eval_seconds) if t_first is not None else 0.0
     interrupted = {"signal": signal.Signals(_STOP_SIGNAL[0]).name, "signal_number": _STOP_SIGNAL[0]} \
         if status == "interrupted" and _STOP_SIGNAL else {}
-    summary = {**_summary_base(s, workdir), "status": status, **interrupted, "step": step, "tokens_seen": step * tokens_per_step,
-               "train_loss": train_loss, "val_loss": val.get("loss"), "val_ppl": val.get("ppl"),
-               "val_tokens": val.get("tokens"), "checkpoint_step": last_saved,
+    summary = {**_summary_base(s, workdir), "status": status, **interrupted, "step": step,
+               "tokens_seen": step * tokens_per_step,
+               **summary_metrics({"train_loss": np.asarray(train_loss, np.float64)}, n_seeds),
+               **({"val_loss": None, "val_ppl": None, "val_tokens": None} if s.task.name == "lm" else {}),
+               **summary_metrics(val, n_seeds), "checkpoint_step": last_saved,
                "wall_seconds": round(time.time() - t_start, 3),
-               "tokens_per_second": (steps_timed * tokens_per_step / train_time) if steps_timed else None}
+               "train_seconds": round(train_seconds_before + train_time, 3),
+               # all seeds together: the throughput of the compiled program
+               "tokens_per_second": (steps_timed * tokens_per_step * n_seeds / train_time) if steps_timed else None}
     if main:
         write_json_atomic(os.path.join(workdir, "summary.json"), summary)
     return (summary, host_params(state)) if return_state else summary
+
+
+def summary_metrics(metrics: dict[str, Any], num_seeds: int) -> dict[str, Any]:
+    """summary.json's form of per-seed metrics: ``name`` = the mean over seeds and, with several seeds,
+    ``name/seeds`` (the list) and ``name/std`` (sample standard deviation, ddof 1)."""
+    out = per_seed(metrics, num_seeds)
+    for k, v in metrics.items():
+        if isinstance(v, np.ndarray) and num_seeds > 1:
+            out[f"{k}/std"] = mean_std(v)[1]
+    return out
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -431,28 +540,26 @@ def evaluate_checkpoint(cfg: ml_collections.ConfigDict, workdir: str, split: str
     if not os.path.isdir(os.path.join(workdir, "checkpoints")):
         raise UserError(f"no checkpoint in {workdir}: train first (python train.py --workdir={workdir} ...)")
     s, state = restore_latest(cfg, workdir)
-    eval_step = make_sharded_eval_step(s.graphdef, s.shardings["params"], s.mesh, s.param_transform)
-    result = evaluate_tokens(eval_step, state["params"], s.cache.tokens(split), int(cfg.data.seq_len),
-                             eval_batch_size(cfg), s.mesh, bos_id=s.cache.eot_id)
-    prefix = "val" if split == "validation" else "test"
-    step = int(state["step"])
+    result = make_evaluator(s)(state["params"], split=split)
+    n_seeds = len(s.seeds)
+    # LM: val_* / test_* fields; MQAR has one held-out set, reported under its own names for either split.
+    renamed = {(f"{'val' if split == 'validation' else 'test'}_{k[4:]}" if k.startswith("val_") else k): v
+               for k, v in result.items()}
+    step = int(np.asarray(state["step"]).reshape(-1)[0])
     path = os.path.join(workdir, "summary.json")
     previous: dict[str, Any] = {}
     if os.path.exists(path):
-        import json
-
         with open(path, encoding="utf-8") as f:
             previous = json.load(f)
     summary = {"train_loss": None, "val_loss": None, "val_ppl": None, "tokens_per_second": None, **previous,
                **_summary_base(s, workdir), "step": step,
                "tokens_seen": step * int(cfg.train.batch_size) * int(cfg.data.seq_len),
-               f"{prefix}_loss": result["loss"], f"{prefix}_ppl": result["ppl"], f"{prefix}_tokens": result["tokens"],
+               **summary_metrics(renamed, n_seeds),
                "checkpoint_step": s.latest, "eval_wall_seconds": round(time.time() - t_start, 3)}
     summary.setdefault("wall_seconds", summary["eval_wall_seconds"])
     if jax.process_index() == 0:
-        writer = MetricsWriter(workdir)
-        writer.write(step, {"loss": result["loss"], "ppl": result["ppl"], "tokens": result["tokens"]},
-                     prefix=f"eval_{prefix}_")
+        writer = MetricsWriter(workdir, seeds=s.seeds)
+        writer.write(step, per_seed(renamed, n_seeds), prefix="eval_")
         writer.close()
         write_json_atomic(path, summary)
     return summary
@@ -476,3 +583,8 @@ def saved_run_config(workdir: str) -> ml_collections.ConfigDict:
 def host_params(state_or_params: Any) -> Any:
     """A numpy copy of (sharded) arrays, e.g. for tests comparing runs."""
     return jax.tree.map(lambda x: np.asarray(jax.device_get(x)), state_or_params)
+
+
+def seed_slice(tree: Any, index: int) -> Any:
+    """Replica ``index`` of a seed-parallel state or params tree (a tree without a seed axis for the model)."""
+    return jax.tree.map(lambda x: x[index], tree)

@@ -42,10 +42,15 @@ class MetricsWriter:
 
     ``resume_step``: lines logged after this step by an earlier, killed process are dropped first, so after a
     resume the file reads as if the run had never been interrupted.
+
+    ``seeds``: the run's seeds. A seed-parallel run logs ``name`` (the mean over seeds) and ``name/seeds`` (the list,
+    in seed order); TensorBoard gets the mean as ``name`` and each seed as ``name/seed_<seed>``.
     """
 
-    def __init__(self, workdir: str, resume_step: int | None = None, tensorboard: bool = True) -> None:
+    def __init__(self, workdir: str, resume_step: int | None = None, tensorboard: bool = True,
+                 seeds: list[int] | None = None) -> None:
         self.enabled = jax.process_index() == 0
+        self.seeds = list(seeds or [])
         self.path = os.path.join(workdir, "metrics.jsonl")
         self._tb = None
         if not self.enabled:
@@ -70,6 +75,10 @@ class MetricsWriter:
             for k, v in row.items():
                 if k != "step" and isinstance(v, (int, float)):
                     self._tb.add_scalar(k, v, step)
+                elif k.endswith("/seeds") and isinstance(v, list):
+                    for seed, x in zip(self.seeds, v):
+                        if isinstance(x, (int, float)):
+                            self._tb.add_scalar(f"{k[:-len('/seeds')]}/seed_{seed}", x, step)
 
     def close(self) -> None:
         if self._tb is not None:

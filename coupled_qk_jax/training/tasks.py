@@ -1,0 +1,232 @@
+"""What a run trains on and how it is scored: the training loop's two plug-ins, chosen by ``cfg.task``.
+
+A task gives the loop (``training/loop.py``) exactly two things:
+
+* ``train_dataset(seed, slice_index, slice_count)``: a ``grain.MapDataset`` whose element ``i`` is this host's rows
+  of global batch ``i``, ``{"inputs", "targets"}`` int32 ``[B_host, T]`` (targets -100 = not scored). The loop
+  turns it into the checkpointed iterator; with ``train.num_seeds > 1`` it stacks one dataset per seed.
+* ``make_evaluator(graphdef, params_shardings, mesh, param_transform, num_seeds)``: a function
+  ``(params, split, max_batches) -> {name: value}``. Per-seed metrics are float64 arrays ``[S]`` (``S = 1`` for a
+  single run); counts shared by every seed are Python ints. ``max_batches = 0`` scores the whole held-out set.
+
+Tasks:
+
+* :class:`LMTask` (``task = "lm"``): random windows of a token cache (``data.pipeline``), each seed its own order
+  (``seed`` = the model seed, as in a single run); validation loss and perplexity over every token of a split.
+* :class:`MQARTask` (``task = "mqar"``, ``configs/mqar.py``): zoology's fixed batch order (the same for every seed:
+  in zoology the seed only changes the initialisation), accuracy per segment on the labelled positions only
+  (``data.mqar.MQARAccuracy``) and the masked cross-entropy of the test set.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable
+
+import grain
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from coupled_qk_jax import sharding as shd
+from coupled_qk_jax.config import ModelConfig
+from coupled_qk_jax.data import mqar
+from coupled_qk_jax.data.pipeline import train_batches
+from coupled_qk_jax.data.token_cache import TokenCache
+from coupled_qk_jax.errors import UserError
+from coupled_qk_jax.training.evaluate import evaluate_tokens
+from coupled_qk_jax.training.steps import make_eval_step, masked_cross_entropy
+
+TASKS = ("lm", "mqar")
+
+Evaluator = Callable[..., dict[str, Any]]
+
+
+def task_name(cfg: ml_collections.ConfigDict) -> str:
+    name = str(cfg.get("task", "lm"))
+    if name not in TASKS:
+        raise UserError(f"task must be one of {', '.join(TASKS)}, got {name!r}")
+    return name
+
+
+def seed_batch_sharding(mesh: Mesh, num_seeds: int) -> jax.sharding.NamedSharding:
+    """[B, T] batches split over (data, fsdp); with a seed axis, [S, B, T] with S replicated (docs/experiments.md)."""
+    lead = (None,) if num_seeds > 1 else ()
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*lead, shd.BATCH_AXES, None))
+
+
+def global_seed_batch(local: dict[str, np.ndarray], mesh: Mesh, num_seeds: int) -> dict[str, jax.Array]:
+    """This host's rows ([B_host, T], or [S, B_host, T]) of every field -> one global jax.Array per field."""
+    if num_seeds == 1:
+        return shd.global_batch(local, mesh)
+    sharding = seed_batch_sharding(mesh, num_seeds)
+    _, count = shd.process_batch_slice(mesh)
+    out = {}
+    for name, value in local.items():
+        value = np.asarray(value)
+        shape = (value.shape[0], value.shape[1] * count) + value.shape[2:]
+        out[name] = jax.make_array_from_process_local_data(sharding, value, shape)
+    return out
+
+
+def _jit_eval(fn: Callable, params_shardings: Any, mesh: Mesh, num_seeds: int) -> Callable:
+    """jit(fn(params, batch)) with params as trained, the batch split over (data, fsdp) and replicated outputs; with
+    several seeds the function is vmapped over the params' seed axis (every seed scores the same batch)."""
+    if num_seeds > 1:
+        fn = jax.vmap(fn, in_axes=(0, None))
+    return jax.jit(fn, in_shardings=(params_shardings, shd.batch_sharding(mesh)), out_shardings=shd.replicated(mesh))
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Language modelling.
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class LMTask:
+    """Next-token prediction on a token cache (``data.corpus``, ``data.tokenizer``; see docs/data.md)."""
+
+    cfg: ml_collections.ConfigDict
+    cache: TokenCache
+
+    name = "lm"
+
+    def __post_init__(self) -> None:
+        if self.cache.tokens("validation").shape[0] < 2:  # found now, not after hours of training
+            raise UserError(f"the validation split of {self.cfg.data.corpus} is empty; a small directory needs "
+                             f"larger held-out shares, e.g. --config.data.split_fractions=0.8,0.1,0.1")
+
+    def eval_batch_size(self) -> int:
+        return int(self.cfg.train.get("eval_batch_size", 0)) or int(self.cfg.train.batch_size)
+
+    def validate(self, batch_devices: int) -> None:
+        if self.eval_batch_size() % batch_devices:
+            raise UserError(f"the eval batch size {self.eval_batch_size()} is not divisible by the {batch_devices} "
+                             f"data-parallel devices; set train.eval_batch_size")
+
+    def train_dataset(self, seed: int, slice_index: int, slice_count: int) -> grain.MapDataset:
+        per_host = int(self.cfg.train.batch_size) // slice_count
+        return train_batches(self.cache.tokens("train"), int(self.cfg.data.seq_len), per_host, seed, slice_index,
+                             slice_count)
+
+    def make_evaluator(self, graphdef: nnx.GraphDef, params_shardings: Any, mesh: Mesh,
+                       param_transform: Callable | None, num_seeds: int) -> Evaluator:
+        step = _jit_eval(make_eval_step(graphdef, param_transform), params_shardings, mesh, num_seeds)
+
+        def evaluate(params: Any, split: str = "validation", max_batches: int = 0) -> dict[str, Any]:
+            r = evaluate_tokens(step, params, self.cache.tokens(split), int(self.cfg.data.seq_len),
+                                self.eval_batch_size(), mesh, bos_id=self.cache.eot_id, max_batches=max_batches)
+            return {"val_loss": np.atleast_1d(r["loss"]), "val_ppl": np.atleast_1d(r["ppl"]), "val_tokens": r["tokens"]}
+
+        return evaluate
+
+    def summary(self) -> dict[str, Any]:
+        skipped = sum(int(v.get("skipped_non_utf8", 0)) for v in self.cache.manifest["splits"].values())
+        return {"corpus": str(self.cfg.data.corpus), "token_cache": self.cache.directory.name,
+                "skipped_non_utf8": skipped}
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# MQAR.
+# --------------------------------------------------------------------------------------------------------------------
+
+
+class _HostRows:
+    """MQAR batch -> this host's rows of ``{"inputs", "targets"}`` (the labels are the next-token targets: the label
+    at position t is the value answering the key at t)."""
+
+    def __init__(self, slice_index: int, slice_count: int) -> None:
+        self.slice_index, self.slice_count = slice_index, slice_count
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        n = batch["inputs"].shape[0] // self.slice_count
+        rows = slice(self.slice_index * n, (self.slice_index + 1) * n)
+        return {"inputs": batch["inputs"][rows], "targets": batch["labels"][rows]}
+
+
+class MQARTask:
+    """Zoology's MQAR (``data.mqar``): one train segment replayed in stored order every epoch, one test segment.
+
+    The level (``mqar.level``) fixes L, N and the vocabulary; ``mqar.num_train`` / ``mqar.num_test`` size the two
+    segments (segment seeds derived as zoology's, data seed 123). Test batches hold ``train.eval_batch_size`` rows
+    (0: the level's test batch size rounded up to a multiple of the data-parallel devices; the extra rows are
+    padding, which the metric skips).
+    """
+
+    name = "mqar"
+
+    def __init__(self, cfg: ml_collections.ConfigDict, mcfg: ModelConfig, batch_devices: int) -> None:
+        self.cfg = cfg
+        level_name = str(cfg.mqar.level)
+        if level_name not in mqar.LEVELS:
+            raise UserError(f"mqar.level must be one of {sorted(mqar.LEVELS)}, got {level_name!r}")
+        level = dataclasses.replace(mqar.LEVELS[level_name], num_train=int(cfg.mqar.num_train),
+                                    num_test=int(cfg.mqar.num_test))
+        self.level = level
+        if int(cfg.data.seq_len) != level.seq_len:
+            raise UserError(f"data.seq_len={cfg.data.seq_len} but MQAR level {level_name} has L={level.seq_len}; "
+                             f"choose the level with the config argument (configs/mqar.py:VARIANT,LEVEL)")
+        if mcfg.vocab_size < level.vocab_size:
+            raise UserError(f"model.vocab_size={mcfg.vocab_size} is smaller than MQAR level {level_name}'s "
+                             f"vocabulary {level.vocab_size}")
+        train_segs, test_segs = level.mix().segments()
+        self.train = mqar.make_batches(train_segs, int(cfg.train.batch_size))
+        if len(self.train) != int(cfg.mqar.get("steps_per_epoch", len(self.train))):
+            raise UserError(f"mqar.steps_per_epoch={cfg.mqar.steps_per_epoch} but {level.num_train} examples in "
+                             f"batches of {cfg.train.batch_size} make {len(self.train)}; leave it derived")
+        rows = int(cfg.train.get("eval_batch_size", 0)) or math.ceil(level.test_batch_size / batch_devices) * batch_devices
+        if rows % batch_devices:
+            raise UserError(f"train.eval_batch_size={rows} is not divisible by the {batch_devices} data-parallel "
+                             f"devices")
+        self.test = mqar.make_batches(test_segs, rows)
+
+    def validate(self, batch_devices: int) -> None:
+        del batch_devices  # checked in __init__
+
+    def train_dataset(self, seed: int, slice_index: int, slice_count: int) -> grain.MapDataset:
+        del seed  # zoology's order: the same batches for every seed, every epoch
+        return grain.MapDataset.source(self.train).repeat().map(_HostRows(slice_index, slice_count))
+
+    def make_evaluator(self, graphdef: nnx.GraphDef, params_shardings: Any, mesh: Mesh,
+                       param_transform: Callable | None, num_seeds: int) -> Evaluator:
+        def scores(params, batch):
+            if param_transform is not None:
+                params = param_transform(params)
+            logits = nnx.merge(graphdef, params)(batch["inputs"])
+            nll_sum, count = masked_cross_entropy(logits, batch["targets"])
+            # argmax on the device: only [B, T] predictions leave it, not [B, T, V] logits.
+            return jnp.argmax(logits, axis=-1).astype(jnp.int32), nll_sum, count
+
+        step = _jit_eval(scores, params_shardings, mesh, num_seeds)
+        slice_index, slice_count = shd.process_batch_slice(mesh, self.test[0]["inputs"].shape[0])
+        host_rows = _HostRows(slice_index, slice_count)
+
+        def evaluate(params: Any, split: str = "validation", max_batches: int = 0) -> dict[str, Any]:
+            del split  # MQAR has one held-out set: the test segment (zoology's "valid" metrics)
+            meters = [mqar.MQARAccuracy() for _ in range(num_seeds)]
+            nll, tokens = np.zeros(num_seeds), 0
+            for i, batch in enumerate(self.test):
+                if max_batches and i == max_batches:
+                    break
+                preds, nll_sum, count = jax.device_get(step(params, shd.global_batch(host_rows(batch), mesh)))
+                preds = preds.reshape((num_seeds,) + batch["labels"].shape)
+                nll += np.asarray(nll_sum, np.float64).reshape(num_seeds)
+                tokens += int(np.asarray(count).reshape(-1)[0])
+                for meter, p in zip(meters, preds):
+                    meter.update(p, batch["labels"], batch["num_kv_pairs"])
+            per_seed = [m.compute() for m in meters]
+            out: dict[str, Any] = {k: np.array([m[k] for m in per_seed]) for k in per_seed[0]}
+            out["valid/loss"] = nll / max(tokens, 1)  # token mean of the masked CE over the test set
+            out["valid/examples"] = meters[0].num_examples
+            return out
+
+        return evaluate
+
+    def summary(self) -> dict[str, Any]:
+        lvl = self.level
+        return {"level": lvl.name, "seq_len": lvl.seq_len, "num_kv_pairs": lvl.num_kv_pairs,
+                "num_train": lvl.num_train, "num_test": lvl.num_test, "steps_per_epoch": len(self.train)}

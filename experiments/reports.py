@@ -1,0 +1,283 @@
+"""Sweep reports: tables, curves and plots built from the run directories of a sweep (experiments/sweep.py).
+
+Each finished cell is read into one record (``experiments.sweep.load_cell``): the cell's spec (``run``), its seeds,
+parameter count, tokens per step, the logged training curve and evaluations from metrics.jsonl (per seed), the
+training wall-clock, and the per-seed attention diagnostics. From the records :func:`report` writes
+
+    results.csv / mqar_results.csv   one row per cell (mean ± sample std over seeds, per-seed values)
+    results.md                       the same as Markdown tables, with the exact command
+    curves.csv                       every logged point: cell, seed, split, step, tokens, wall-clock, loss
+    loss_vs_tokens.png, loss_vs_wall.png, mqar_accuracy.png, diagnostics/CELL_seed<s>.png
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from coupled_qk_jax.reporting import fmt, markdown_table, mean_std, write_csv
+
+# Absolute paths of this machine that must not reach the committed results (e.g. --corpus-dir), with the
+# placeholder written instead. The sweep's main() fills it.
+SCRUB: list[tuple[str, str]] = []
+
+
+def scrub(text: str) -> str:
+    for path, placeholder in SCRUB:
+        text = text.replace(path, placeholder)
+    return text
+
+
+def safe_name(name: str) -> str:
+    """A cell name as a file or directory name."""
+    return name.replace("/", "__").replace("+", "_plus_")
+
+
+DIAG_WINDOWS = 8  # windows of the validation split (LM) or test examples (MQAR) the diagnostics are computed on
+
+
+def lm_rows(results: dict[str, dict[str, Any]], target_ppl: float | None, targets: dict[str, str] | None = None
+            ) -> list[dict[str, Any]]:
+    """One summary row per LM run. The target perplexity of a group is `target_ppl` if given, else the group's
+    `targets[group]` run's final mean perplexity if set, else the worst final mean perplexity in the group (a level
+    every run reaches, so tokens-to-target compares how fast each run gets there)."""
+    lm = {k: v for k, v in results.items() if v["run"]["task"] == "lm"}
+    groups: dict[str, list[str]] = {}
+    for k, v in lm.items():
+        groups.setdefault(v["run"]["group"], []).append(k)
+    rows = []
+    for group, names in groups.items():
+        finals = {n: mean_std([math.exp(x) for x in lm[n]["eval_loss"][-1]])[0] for n in names}
+        if target_ppl is not None:
+            target = float(target_ppl)
+        elif targets and group in targets and targets[group] in finals:
+            target = finals[targets[group]]
+        else:
+            target = max(finals.values())
+        for n in names:
+            r = lm[n]
+            ppl = [math.exp(x) for x in r["eval_loss"][-1]]
+            m, s = mean_std(ppl)
+            S = len(r["seeds"])
+            tok_per_seed = r["tokens_per_step"] * r["run"]["steps"]
+            # tokens at the first evaluation at or below target (the curve is interpolated between evaluations
+            # in log-loss so the number is not quantised to the evaluation interval)
+            hits = []
+            for s_i in range(S):
+                hits.append(tokens_to_target(r, s_i, math.log(target)))
+            reached = [h for h in hits if h is not None]
+            tm, ts = mean_std(reached) if reached else (float("nan"), float("nan"))
+            rows.append({
+                "group": group, "run": n, "variant": r["run"]["variant"], "scale": r["run"]["scale"],
+                "corpus": r["corpus_str"], "steps": r["run"]["steps"], "n_steps": r["model"]["n_steps"],
+                "seeds": S, "params": r["num_params"], "tokens_per_seed": tok_per_seed,
+                "val_ppl_mean": m, "val_ppl_std": s, "val_ppl_seeds": " ".join(f"{p:.3f}" for p in ppl),
+                "rel_to_standard_pct": float("nan"),
+                "target_ppl": target, "tokens_to_target_mean": tm, "tokens_to_target_std": ts,
+                "seeds_reaching_target": len(reached),
+                "train_seconds": r["train_seconds"], "tokens_per_s_all_seeds": S * tok_per_seed / r["train_seconds"],
+                "eval_tokens": r["eval_tokens"],
+                **_diag_means(r),
+            })
+    # relative change against the group's standard run with the same step count (the paper's "change" column)
+    for row in rows:
+        base = [b for b in rows if b["group"] == row["group"] and b["variant"] == "standard"
+                and b["steps"] == row["steps"]]
+        row["paired_rel_pct_mean"] = row["paired_rel_pct_std"] = float("nan")
+        if base:
+            row["rel_to_standard_pct"] = 100.0 * (row["val_ppl_mean"] / base[0]["val_ppl_mean"] - 1.0)
+            # Paired by seed: seed s of both runs saw the same data in the same order and shared initial weights,
+            # so the per-seed ratio removes most of the seed-to-seed spread that the plain std columns carry.
+            mine = [float(x) for x in row["val_ppl_seeds"].split()]
+            ref = [float(x) for x in base[0]["val_ppl_seeds"].split()]
+            if len(mine) == len(ref) and lm[row["run"]]["seeds"] == lm[base[0]["run"]]["seeds"]:
+                rel = [100.0 * (a / b - 1.0) for a, b in zip(mine, ref)]
+                row["paired_rel_pct_mean"], row["paired_rel_pct_std"] = mean_std(rel)
+    return rows
+
+
+def tokens_to_target(r: dict[str, Any], seed_index: int, log_target: float) -> float | None:
+    prev_t, prev_l = 0.0, None
+    for step, losses in zip(r["eval_steps"], r["eval_loss"]):
+        t, l = float(step * r["tokens_per_step"]), losses[seed_index]
+        if l <= log_target + 1e-12:
+            if prev_l is None or prev_l == l:
+                return t
+            return prev_t + (t - prev_t) * (prev_l - log_target) / (prev_l - l)
+        prev_t, prev_l = t, l
+    return None
+
+
+DIAG_KEYS = ("effective_rank", "entropy_normalized", "sink_mass", "sigma2_over_sigma1", "induction_mass",
+             "dt_mean")
+
+
+def _diag_means(r: dict[str, Any]) -> dict[str, float]:
+    """Model-mean attention diagnostics averaged over seeds (NaN when the run has none, e.g. an older save)."""
+    reps = r.get("diagnostics") or []
+    return {f"diag_{k}": (float(np.mean([d["model_mean"][k] for d in reps]))
+                          if reps and all(k in d["model_mean"] for d in reps) else float("nan")) for k in DIAG_KEYS}
+
+
+def mqar_rows(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    rows = []
+    for n, r in results.items():
+        if r["run"]["task"] != "mqar":
+            continue
+        m, s = mean_std(r["accuracy"][-1])
+        best = [max(a[i] for a in r["accuracy"]) for i in range(len(r["seeds"]))]
+        bm, bs = mean_std(best)
+        rows.append({"level": r["level"], "run": n, "variant": r["run"]["variant"], "epochs": r["epochs"][-1],
+                     "seeds": len(r["seeds"]), "params": r["num_params"], "accuracy_mean": m, "accuracy_std": s,
+                     "accuracy_seeds": " ".join(f"{a:.3f}" for a in r["accuracy"][-1]),
+                     "best_accuracy_mean": bm, "best_accuracy_std": bs,
+                     "valid_loss_mean": mean_std(r["valid_loss"][-1])[0], "train_seconds": r["train_seconds"],
+                     **_diag_means(r)})
+    return rows
+
+
+LM_COLUMNS = [("run", "run"), ("variant", "variant"), ("steps", "steps"), ("seeds", "seeds"), ("params", "params"),
+              ("val_ppl_mean", "val ppl (mean)"), ("val_ppl_std", "± std"), ("rel_to_standard_pct", "vs standard %"),
+              ("paired_rel_pct_mean", "paired Δ% vs std. (mean"), ("paired_rel_pct_std", "std over seeds)"),
+              ("target_ppl", "target ppl"), ("tokens_to_target_mean", "tokens to target (mean)"),
+              ("seeds_reaching_target", "seeds reaching"), ("train_seconds", "wall s (all seeds)"),
+              ("tokens_per_s_all_seeds", "tok/s (all seeds)")]
+DIAG_COLUMNS = [("run", "run"), ("diag_effective_rank", "attn eff. rank"),
+                ("diag_entropy_normalized", "attn entropy (norm.)"), ("diag_sink_mass", "sink mass"),
+                ("diag_sigma2_over_sigma1", "σ2/σ1"), ("diag_induction_mass", "induction mass"), ("diag_dt_mean", "mean Δt")]
+MQAR_COLUMNS = [("level", "level"), ("variant", "variant"), ("epochs", "epochs"), ("seeds", "seeds"),
+                ("params", "params"), ("accuracy_mean", "accuracy (mean)"), ("accuracy_std", "± std"),
+                ("accuracy_seeds", "per seed"), ("best_accuracy_mean", "best-epoch acc (mean)"),
+                ("valid_loss_mean", "valid loss"), ("train_seconds", "wall s (all seeds)")]
+
+
+def write_curves(path: Path, results: dict[str, dict[str, Any]]) -> None:
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["run", "seed", "split", "step", "tokens", "wall_seconds", "loss"])
+        for n, r in results.items():
+            if r["run"]["task"] == "lm":
+                tps = r["tokens_per_step"]
+                for step, wall, losses in zip(r["log_steps"], r["log_wall"], r["train_loss"]):
+                    for seed, l in zip(r["seeds"], losses):
+                        w.writerow([n, seed, "train", step, step * tps, f"{wall:.3f}", f"{l:.6f}"])
+                for step, wall, losses in zip(r["eval_steps"], r["eval_wall"], r["eval_loss"]):
+                    for seed, l in zip(r["seeds"], losses):
+                        w.writerow([n, seed, "validation", step, step * tps, f"{wall:.3f}", f"{l:.6f}"])
+            else:
+                for ep, accs, vl in zip(r["epochs"], r["accuracy"], r["valid_loss"]):
+                    for seed, a, l in zip(r["seeds"], accs, vl):
+                        w.writerow([n, seed, "accuracy", ep, "", "", f"{a:.6f}"])
+                        w.writerow([n, seed, "validation", ep, "", "", f"{l:.6f}"])
+
+
+def plot(results: dict[str, dict[str, Any]], out: Path) -> list[Path]:
+    """Loss vs tokens and loss vs wall-clock (LM runs; mean over seeds with a ±1 std band, train loss dashed);
+    accuracy vs epoch for MQAR runs."""
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    written = []
+    lm = {n: r for n, r in results.items() if r["run"]["task"] == "lm"}
+    if lm:
+        for xkey, fname, xlabel in (("tokens", "loss_vs_tokens.png", "tokens seen per seed"),
+                                    ("wall", "loss_vs_wall.png", "training wall-clock, s (all seeds in parallel)")):
+            fig, ax = plt.subplots(figsize=(7.5, 4.8))
+            for i, (n, r) in enumerate(lm.items()):
+                color = f"C{i % 10}"
+                tps = r["tokens_per_step"]
+                ev = np.asarray(r["eval_loss"])  # [n_eval, S]
+                tr = np.asarray(r["train_loss"])
+                xe = (np.asarray(r["eval_steps"]) * tps) if xkey == "tokens" else np.asarray(r["eval_wall"])
+                xt = (np.asarray(r["log_steps"]) * tps) if xkey == "tokens" else np.asarray(r["log_wall"])
+                m, s = ev.mean(1), ev.std(1, ddof=1) if ev.shape[1] > 1 else np.zeros(len(ev))
+                ax.plot(xe, m, "-o", ms=3, color=color, label=f"{n} (val)")
+                ax.fill_between(xe, m - s, m + s, color=color, alpha=0.2)
+                ax.plot(xt, tr.mean(1), "--", lw=0.8, color=color, alpha=0.7)
+            ax.set_xlabel(xlabel)
+            ax.set_ylabel("loss (nats/token); solid = validation, dashed = train")
+            lo = min(np.asarray(r["eval_loss"]).min() for r in lm.values())
+            hi = max(np.asarray(r["eval_loss"])[min(1, len(r["eval_loss"]) - 1)].max() for r in lm.values())
+            ax.set_ylim(lo - 0.05 * (hi - lo + 1e-3), hi + 0.1 * (hi - lo + 1e-3))
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+            fig.tight_layout()
+            fig.savefig(out / fname, dpi=120)
+            plt.close(fig)
+            written.append(out / fname)
+    mq = {n: r for n, r in results.items() if r["run"]["task"] == "mqar"}
+    if mq:
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for i, (n, r) in enumerate(mq.items()):
+            acc = np.asarray(r["accuracy"])
+            m = acc.mean(1)
+            s = acc.std(1, ddof=1) if acc.shape[1] > 1 else np.zeros(len(acc))
+            ax.plot(r["epochs"], m, "-o", ms=3, color=f"C{i % 10}", label=n)
+            ax.fill_between(r["epochs"], m - s, m + s, color=f"C{i % 10}", alpha=0.2)
+        ax.set_xlabel("epoch")
+        ax.set_ylabel("MQAR valid/accuracy")
+        ax.set_ylim(0, 1.02)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out / "mqar_accuracy.png", dpi=120)
+        plt.close(fig)
+        written.append(out / "mqar_accuracy.png")
+    return written
+
+
+def report(results: dict[str, dict[str, Any]], out: Path, command: str, target_ppl: float | None = None,
+           targets: dict[str, str] | None = None, title: str = "") -> None:
+    """Write results.csv, results.md, curves.csv and the plots for a finished sweep."""
+    lmr = lm_rows(results, target_ppl, targets)
+    mqr = mqar_rows(results)
+    # results.csv holds the LM rows; MQAR rows go there when the sweep is MQAR-only, else to mqar_results.csv
+    if lmr:
+        write_csv(out / "results.csv", lmr)
+    if mqr:
+        write_csv(out / ("mqar_results.csv" if lmr else "results.csv"), mqr)
+    write_curves(out / "curves.csv", results)
+    plots = plot(results, out)
+    from coupled_qk_jax.diagnostics_report import plot_diagnostics  # noqa: PLC0415
+
+    for name, r in results.items():
+        if r.get("diagnostics"):
+            (out / "diagnostics").mkdir(exist_ok=True)
+            plot_diagnostics(r["diagnostics"][0], out / "diagnostics" / f"{safe_name(name)}_seed{r['seeds'][0]}.png",
+                             title=f"{name}, seed {r['seeds'][0]}")
+    md = [f"# {title or 'Sweep results'}", "", "Produced by:", "", "```bash", command, "```", ""]
+    if lmr:
+        md += ["Validation perplexity over the whole validation split (size and corpus under each table), mean ± "
+               "sample std over seeds; 'paired Δ%' is the per-seed change against standard attention trained with the "
+               "same seed (same data order, same shared initial weights); 'tokens to target' is per seed, "
+               "interpolated between evaluations; wall-clock excludes compilation and evaluation and is shared by all "
+               "seeds of a run (they train as one program on a CPU shared with other jobs, so it is noisy).", ""]
+        groups = sorted({r["group"] for r in lmr}, key=[r["group"] for r in lmr].index)
+        for g in groups:
+            if len(groups) > 1:
+                md += [f"## {g}", ""]
+            g_rows = [r for r in lmr if r["group"] == g]
+            corpora = sorted({(r["corpus"], r["eval_tokens"]) for r in g_rows})
+            md += [markdown_table(g_rows, LM_COLUMNS), "",
+                   "Validation: " + "; ".join(f"{n:,} tokens of `{c}`" for c, n in corpora) + ".", ""]
+        if any(not math.isnan(r["diag_effective_rank"]) for r in lmr):
+            md += ["Attention diagnostics after training (`coupled_qk_jax.diagnostics_report`; model means over layers "
+                   f"and heads on the first {DIAG_WINDOWS} validation windows, averaged over seeds):", "",
+                   markdown_table(lmr, DIAG_COLUMNS), ""]
+    if mqr:
+        md += ["## MQAR", "", "Accuracy = zoology's valid/accuracy (mean over test examples of the per-example "
+               "fraction of correctly recalled values) at the last epoch; mean ± sample std over seeds.", "",
+               markdown_table(mqr, MQAR_COLUMNS), ""]
+        if any(not math.isnan(r["diag_effective_rank"]) for r in mqr):
+            md += [f"Attention diagnostics after training (first {DIAG_WINDOWS} test examples, averaged over seeds; "
+                   "induction mass = attention on the value following the earlier occurrence of the query key):", "",
+                   markdown_table(mqr, DIAG_COLUMNS), ""]
+    md += [f"![{p.stem}]({p.name})" for p in plots]
+    (out / "results.md").write_text(scrub("\n".join(md) + "\n"))
+    (out / "command.txt").write_text(scrub(command) + "\n")
