@@ -231,6 +231,8 @@ def report_from_checkpoint(cfg: Any, workdir: str, split: str = "validation", wi
     workdir = os.path.abspath(workdir)
     s, state = loop.restore_latest(cfg, workdir)
     params = jax.tree.map(lambda x: np.asarray(jax.device_get(x)), state["params"])
+    if len(s.seeds) > 1:  # a seed-parallel run (train.num_seeds): the first seed's model
+        params, state = loop.seed_slice(params, 0), loop.seed_slice(state, 0)
     model = nnx.merge(s.graphdef, params)
     seq_len = int(cfg.data.seq_len)
     batch = next(iter(eval_batches(s.cache.tokens(split), seq_len, windows, bos_id=s.cache.eot_id)))

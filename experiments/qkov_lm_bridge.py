@@ -416,6 +416,7 @@ def main(argv: list[str] | None = None) -> None:
     for m in (float(x) for x in args.qk_mults.split(",")):
         for variant in args.variants.split(","):
             path = out / "runs" / f"{cell_name(variant, m)}.json"
+            workdir = out / "runs" / cell_name(variant, m)
             if path.is_file() and not args.force:
                 saved = json.loads(path.read_text())
                 # reuse only a cell trained exactly as asked (a changed flag must retrain, not silently reuse)
@@ -426,11 +427,10 @@ def main(argv: list[str] | None = None) -> None:
                     _log(f"[{cell_name(variant, m)}] already done, skipping")
                     cells.append(saved)
                     continue
-            workdir = out / "runs" / cell_name(variant, m)
-            if args.force and workdir.exists():
+            if (args.force or path.is_file()) and workdir.exists():  # retrain from scratch, not resume
                 shutil.rmtree(workdir)
-            cell = run_cell(variant, m, workdir=workdir, scale=args.scale, steps=args.steps, seeds=seeds, corpus=args.corpus,
-                            cache_dir=args.cache_dir, tokenizer=args.tokenizer,
+            cell = run_cell(variant, m, workdir=workdir, scale=args.scale, steps=args.steps, seeds=seeds,
+                            corpus=args.corpus, cache_dir=args.cache_dir, tokenizer=args.tokenizer,
                             qk_mult_coupling=args.qk_mult_coupling, diag_batches=args.diag_batches,
                             tau_att=args.tau_att, tau_conf=args.tau_conf, eval_points=args.eval_points,
                             model_overrides=json.loads(args.model), train_overrides=json.loads(args.train))

@@ -81,9 +81,9 @@ def test_cell_end_to_end(tmp_path, text_dir):
              "affine_hidden": 6}
     # One cell, two seeds; the compiles dominate the time, so the cheaper-to-compile standard variant is used
     # (the coupled variants return their attention through the same `collect=True` path).
-    cell = bridge.run_cell("standard", 5.0, workdir=tmp_path / "run", scale="tiny", steps=3, seeds=[0, 1], corpus=corpus,
-                           cache_dir=str(tmp_path / "cache"), tokenizer="byte", diag_batches=1, eval_points=1,
-                           model_overrides=small, train_overrides={"batch_size": 4})
+    cell = bridge.run_cell("standard", 5.0, workdir=tmp_path / "run", scale="tiny", steps=3, seeds=[0, 1],
+                           corpus=corpus, cache_dir=str(tmp_path / "cache"), tokenizer="byte", diag_batches=1, eval_points=1,
+                           model_overrides=small, train_overrides={"batch_size": 8})  # 8 CPU devices
     # a second "cell" re-labelled from the first exercises the multi-row tables without another compile
     cells = [dict(cell, variant="standard_copy", qk_lr_mult=1.0), cell]
     out = tmp_path / "out"
@@ -98,7 +98,7 @@ def test_cell_end_to_end(tmp_path, text_dir):
     assert want <= set(rows[0])
     assert [(r["variant"], float(r["qk_lr_mult"])) for r in rows] == [("standard_copy", 1.0), ("standard", 5.0)]
     for r in rows:
-        assert int(r["tokens_per_seed"]) == 3 * 4 * 32
+        assert int(r["tokens_per_seed"]) == 3 * 8 * 32
         for k in want - {"variant"}:
             assert math.isfinite(float(r[k])), k
         assert 0.0 <= float(r["ac_mean"]) <= 100.0

@@ -10,6 +10,14 @@ The QK group (W_Q, W_K, W_QK) and the OV group (W_V, W_O, W_OV, b_OV) get separa
 Several runs (seeds, or Figure-3 alpha values) are trained as one program: every leaf carries a leading run axis
 and one epoch is a ``jax.vmap`` of a ``lax.scan`` over that epoch's batches. Data come from the legacy numpy
 generator (one ``RandomState(seed)`` per run), generated one epoch at a time on the host.
+
+Why this is not the project's training loop (``training/loop.py``): only the pattern is shared (a leading run axis
+and a vmapped step, as the loop's ``train.num_seeds``), the maths is not. The model is the paper's pure-function
+one-layer model with its parametrisations (not ``TransformerLM``), the loss is the last-token cross-entropy, the
+optimiser is per-circuit plain SGD with a QK ramp (``training/optimizer.py`` is AdamW with clipping, a decay mask
+and warm-up + cosine, which the paper's Figures 1-3 do not use), every epoch draws fresh batches from the task's
+generator (no token cache, no held-out split), runs stop one by one at ``stop_loss``, and Figure 3's runs share one
+data stream. No step or optimiser code of the loop computes the same thing, so none is reused; optax is shared.
 """
 
 from __future__ import annotations

@@ -178,7 +178,8 @@ class MQARTask:
         if len(self.train) != int(cfg.mqar.get("steps_per_epoch", len(self.train))):
             raise UserError(f"mqar.steps_per_epoch={cfg.mqar.steps_per_epoch} but {level.num_train} examples in "
                              f"batches of {cfg.train.batch_size} make {len(self.train)}; leave it derived")
-        rows = int(cfg.train.get("eval_batch_size", 0)) or math.ceil(level.test_batch_size / batch_devices) * batch_devices
+        rows = (int(cfg.train.get("eval_batch_size", 0))
+                or math.ceil(level.test_batch_size / batch_devices) * batch_devices)
         if rows % batch_devices:
             raise UserError(f"train.eval_batch_size={rows} is not divisible by the {batch_devices} data-parallel "
                              f"devices")
