@@ -405,7 +405,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from coupled_qk_jax.training import loop  # noqa: PLC0415
 
-    loop.install_sigterm_handler()  # SIGTERM: the running cell saves a checkpoint; the same command continues it
+    loop.install_stop_handlers()  # SIGINT/SIGTERM: the running cell saves a checkpoint; the same command continues
     out = Path(args.out)
     (out / "runs").mkdir(parents=True, exist_ok=True)
     command = "python -m experiments.qkov_lm_bridge " + " ".join(

@@ -445,7 +445,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from coupled_qk_jax.training import cli, loop  # noqa: PLC0415
 
-    loop.install_sigterm_handler()
+    loop.install_stop_handlers()
     if args.corpus_dir:
         reports.SCRUB.append((str(Path(args.corpus_dir).resolve()), "$CORPUS_DIR"))
         reports.SCRUB.append((args.corpus_dir, "$CORPUS_DIR"))

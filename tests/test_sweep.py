@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import signal
 
 import numpy as np
 import pytest
@@ -52,17 +53,17 @@ def test_stopped_sweep_resumes_and_matches_uninterrupted(spec, monkeypatch, caps
     def counting_batch(*args):
         batches["n"] += 1
         if batches["n"] == 6 + 3:  # the first cell has 6 steps
-            loop._STOP_REQUESTED.set()
+            loop._STOP_SIGNAL.append(signal.SIGTERM)
         return real_batch(*args)
 
     monkeypatch.setattr(tasks, "global_seed_batch", counting_batch)
     try:
         sweep.main([*argv, "--out", str(stopped)])
     finally:
-        loop._STOP_REQUESTED.clear()
+        loop._STOP_SIGNAL.clear()
     monkeypatch.setattr(tasks, "global_seed_batch", real_batch)
     assert json.loads((stopped / "runs" / "standard" / "summary.json").read_text())["status"] == "completed"
-    assert json.loads((stopped / "runs" / "coupled_euler" / "summary.json").read_text())["status"] == "preempted"
+    assert json.loads((stopped / "runs" / "coupled_euler" / "summary.json").read_text())["status"] == "interrupted"
     assert not (stopped / "results.csv").exists()
 
     # Second invocation: the first cell is not trained again, the second resumes from its step-3 checkpoint.
