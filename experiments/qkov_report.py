@@ -431,6 +431,13 @@ def main(argv=None) -> int:
                     mono = all(sel[i]["_final"] > sel[i + 1]["_final"] for i in range(len(sel) - 1))
                     fh.write(f"\n**{ov}: {'reproduces' if within and mono else 'does not reproduce'}** "
                              f"(final losses within x2: {within}; loss falls with alpha: {mono})\n")
+                    pk = [(r["alpha"], r["sens_peak"]) for r in sel if "sens_peak" in r]
+                    ours_ep = [int(p.split("epoch ")[1]) for _, p in pk]
+                    theirs_ep = [ref["fixed_attention"]["sensitivity_read_off_plots"][ov]["peak"][a][0] for a, _ in pk]
+                    fh.write(f"Sensitivity (not part of the verdict; the plot values are approximate): the peak "
+                             f"comes later for smaller alpha in ours: {all(np.diff(ours_ep) <= 0)} (epochs "
+                             f"{ours_ep}), in the notebook's plot: {all(np.diff(theirs_ep) <= 0)} (epochs "
+                             f"{theirs_ep}).\n")
     if any(runs.values()):
         plot_curves(args.out, runs)
     with open(os.path.join(args.out, "README.md"), "w") as fh:
