@@ -230,6 +230,11 @@ def report_from_checkpoint(cfg: Any, workdir: str, split: str = "validation", wi
 
     workdir = os.path.abspath(workdir)
     s, state = loop.restore_latest(cfg, workdir)
+    if s.cache is None:
+        from coupled_qk_jax.errors import UserError  # noqa: PLC0415
+
+        raise UserError(f"--diagnostics reads a token split; {workdir} is a {s.task.name} run (the sweep driver "
+                        f"computes MQAR diagnostics on the test examples)")
     params = jax.tree.map(lambda x: np.asarray(jax.device_get(x)), state["params"])
     if len(s.seeds) > 1:  # a seed-parallel run (train.num_seeds): the first seed's model
         params, state = loop.seed_slice(params, 0), loop.seed_slice(state, 0)

@@ -66,17 +66,21 @@ def test_stopped_sweep_resumes_and_matches_uninterrupted(spec, monkeypatch, caps
     assert json.loads((stopped / "runs" / "coupled_euler" / "summary.json").read_text())["status"] == "interrupted"
     assert not (stopped / "results.csv").exists()
 
-    # Second invocation: the first cell is not trained again, the second resumes from its step-3 checkpoint.
+    # The uninterrupted reference: its first cell is the finished one copied (--reuse: identical training), its
+    # second cell is trained in one go.
     trained = []
     real_train = loop.train
     monkeypatch.setattr(loop, "train", lambda cfg, workdir, **kw: (trained.append(workdir), real_train(cfg, workdir,
                                                                                                        **kw))[1])
+    sweep.main([*argv, "--out", str(straight), "--reuse", str(stopped / "runs")])
+    assert [p.rsplit("/", 1)[-1] for p in trained] == ["coupled_euler"]
+
+    # Second invocation: the first cell is not trained again, the second resumes from its step-3 checkpoint.
+    trained.clear()
     capsys.readouterr()
     sweep.main([*argv, "--out", str(stopped)])
     assert [p.rsplit("/", 1)[-1] for p in trained] == ["coupled_euler"]
     assert "at step 3" in capsys.readouterr().out
-
-    sweep.main([*argv, "--out", str(straight)])  # the uninterrupted reference
     for name in ("results.csv",):
         assert _rows(stopped / name) == _rows(straight / name)
     curves = [[{k: v for k, v in r.items() if k != "wall_seconds"} for r in _rows(d / "curves.csv")]
