@@ -35,9 +35,11 @@ Backward pass (`backward=`, `model.dynamics_backward`):
   custom VJP (`_recompute`) keeps the inputs and re-runs the steps at the start of the layer's backward pass, so
   their states exist only while that one layer's backward runs (Euler keeps q_i only and rebuilds k_i backwards;
   the uncoupled map needs both). Either way the backward pass evaluates f about n more times than autodiff's.
-  The rebuilt states differ from the forward's by rounding only: at the tiny layer's shape with n = 7 an RMS of
-  about 0.5 units of the dtype's epsilon in float32 and in bfloat16, which adds less gradient error than the dtype's
-  own rounding does (benchmarks/NOTES.md).
+  Leapfrog's rebuilt states differ from the forward's by rounding amplified by the backward flow: at the tiny
+  layer's shape, Δt = 0.1 and n <= 7 an RMS of about 0.5 units of the dtype's epsilon in float32 and in bfloat16
+  (less gradient error than the dtype's own rounding), but growing exponentially with Δt·n. So the VJP also keeps
+  (q_0, k_0), checks the rebuilt pair against them, and where the drift exceeds REBUILD_DRIFT_BOUND recomputes the
+  gradients from stored states instead (benchmarks/NOTES.md).
 """
 
 from __future__ import annotations
@@ -187,9 +189,16 @@ def _leapfrog_reversible(f: Callable, n_steps: int, unroll: int | bool, q: Array
     return _scan(q, k, dt, lambda x: f(x, *f_consts), n_steps, "leapfrog", unroll)
 
 
+# The rebuild is trusted while the rebuilt (q_0, k_0) are within this many units of the compute dtype's epsilon of the
+# true inputs (RMS, relative to the states' RMS). Measured (benchmarks/NOTES.md): 0.1-0.5 at Δt = 0.1, n <= 7 in
+# float32 and bfloat16, where the rebuild adds less gradient error than the dtype's own rounding; 13-17 at Δt = 0.5,
+# n = 7 or at n = 32, where in bfloat16 it adds several times more; and exponential growth beyond (Δt 0.5, n 32).
+REBUILD_DRIFT_BOUND = 4.0
+
+
 def _leapfrog_reversible_fwd(f, n_steps, unroll, q, k, dt, *f_consts):
     q_n, k_n = _leapfrog_reversible(f, n_steps, unroll, q, k, dt, *f_consts)
-    return (q_n, k_n), (q_n, k_n, dt, f_consts)
+    return (q_n, k_n), (q, k, q_n, k_n, dt, f_consts)
 
 
 def _leapfrog_reversible_bwd(f, n_steps, unroll, residuals, cotangents):
@@ -199,8 +208,13 @@ def _leapfrog_reversible_bwd(f, n_steps, unroll, residuals, cotangents):
     i and the closing kick of step i-1, and the cotangents of kh and k_i are equal, so F_i's cotangent is Δt·ḡk_i
     (Δt/2·ḡk_i for F_0 and F_n, which feed one kick each). One f evaluation and one f VJP per step, inside one scan
     body, so XLA fuses f's forward and backward element-wise work; Δt's and f's gradients accumulate in float32.
+
+    The walk ends at a rebuilt (q_0, k_0), checked against the true inputs (kept as residuals: the same two tensors
+    the recomputing VJP keeps). Where the drift exceeds REBUILD_DRIFT_BOUND (or is not finite) the gradients are
+    recomputed from stored states instead (`lax.cond`; `_recompute_bwd`), so a large Δt·n never returns the
+    rebuild's exponentially grown error.
     """
-    q, k, dt, f_consts = residuals
+    q0, k0, q, k, dt, f_consts = residuals
     gq, gk = cotangents
     acc = _acc_dtype(q.dtype)
     half = 0.5 * dt
@@ -234,8 +248,12 @@ def _leapfrog_reversible_bwd(f, n_steps, unroll, residuals, cotangents):
     # Steps n-1 .. 0; F_0 feeds only the first opening kick (weight 1/2).
     weights = jnp.array([1.0] * (n_steps - 1) + [0.5], acc)
     carry = (q, k, force, gq, gk, g_dt, g_consts)
-    (_, _, _, gq, gk, g_dt, g_consts), _ = jax.lax.scan(body, carry, weights, unroll=unroll)
-    return (gq, gk, g_dt, *[g.astype(c.dtype) for g, c in zip(g_consts, f_consts)])
+    (q_r, k_r, _, gq, gk, g_dt, g_consts), _ = jax.lax.scan(body, carry, weights, unroll=unroll)
+    rebuilt = (gq, gk, g_dt, *[g.astype(c.dtype) for g, c in zip(g_consts, f_consts)])
+    sq = lambda a: jnp.sum(jnp.square(a.astype(acc)))
+    drift = jnp.sqrt((sq(q_r - q0) + sq(k_r - k0)) / (sq(q0) + sq(k0) + jnp.finfo(acc).tiny)) / jnp.finfo(q.dtype).eps
+    return jax.lax.cond(drift <= REBUILD_DRIFT_BOUND, lambda: rebuilt,
+                        lambda: _recompute_bwd(f, n_steps, "leapfrog", unroll, (q0, k0, dt, f_consts), cotangents))
 
 
 _leapfrog_reversible.defvjp(_leapfrog_reversible_fwd, _leapfrog_reversible_bwd)
