@@ -19,6 +19,7 @@ flags.DEFINE_integer("top_k", 200, "Sample among the k most likely tokens (0 = a
 flags.DEFINE_float("top_p", 1.0, "Nucleus sampling: the smallest set of tokens holding this probability (1 = off).")
 flags.DEFINE_integer("seed", 0, "Sampling seed: the same seed, prompts and flags give the same text.")
 flags.DEFINE_integer("num_samples", 1, "Samples per prompt (each prompt is repeated in the batch).")
+flags.DEFINE_integer("replica", 0, "Which seed's model of a seed-parallel run (train.num_seeds > 1).")
 flags.DEFINE_bool("stop_at_eot", True, "End a sample at its first <|endoftext|>.")
 flags.mark_flags_as_required(["workdir"])
 FLAGS = flags.FLAGS
@@ -41,7 +42,7 @@ def _sample() -> None:
     if FLAGS.num_samples < 1:
         raise ValueError(f"--num_samples must be >= 1, got {FLAGS.num_samples}")
     sampling = generate.Sampling(FLAGS.temperature, FLAGS.top_k, FLAGS.top_p)
-    model, tokenizer = generate.load_run(FLAGS.workdir)
+    model, tokenizer = generate.load_run(FLAGS.workdir, FLAGS.replica)
     texts = list(FLAGS.prompt) if FLAGS.prompt or FLAGS.ids else [""]
     prompts = generate.encode_prompts(tokenizer, texts)
     prompts += [generate.parse_token_ids(s, tokenizer.vocab_size) for s in FLAGS.ids]

@@ -236,13 +236,19 @@ def parse_token_ids(text: str, vocab: int) -> np.ndarray:
     return np.asarray(ids, np.int32)
 
 
-def load_run(workdir: str) -> tuple[TransformerLM, Any]:
+def load_run(workdir: str, replica: int = 0) -> tuple[TransformerLM, Any]:
     """The model of `workdir`'s latest checkpoint, on one device, and the run's tokenizer, from the run's own
-    config (training/loop.py's restore helpers, as eval.py and export.py use them)."""
+    config (training/loop.py's restore helpers, as eval.py and export.py use them). replica: which seed's model of a
+    seed-parallel run (train.num_seeds > 1)."""
     from coupled_qk_jax.training import loop
 
     cfg = loop.saved_run_config(workdir)
     s, state = loop.restore_latest(cfg, workdir)
+    params = state["params"]
+    if not 0 <= replica < len(s.seeds):
+        raise UserError(f"--replica={replica}: the run has {len(s.seeds)} seed replica(s), 0..{len(s.seeds) - 1}")
+    if len(s.seeds) > 1:
+        params = loop.seed_slice(params, replica)
     # Generation runs on one device: bring the (possibly mesh-replicated) parameters there.
-    params = jax.device_put(state["params"], jax.devices()[0])
+    params = jax.device_put(params, jax.devices()[0])
     return nnx.merge(s.graphdef, params), s.cache.tokenizer

@@ -14,6 +14,7 @@ from flax import nnx
 
 from coupled_qk_jax import generate
 from coupled_qk_jax.config import ALL_VARIANTS, ModelConfig
+from coupled_qk_jax.errors import UserError
 from coupled_qk_jax.generate import Generator, Sampling, sample_logits
 from coupled_qk_jax.model import TransformerLM
 
@@ -275,17 +276,21 @@ def test_load_run_and_sample_cli(tmp_path):
 
     from coupled_qk_jax.training import loop
 
-    cfg = tiny_config(tmp_path, "coupled_leapfrog", steps=2)
+    cfg = tiny_config(tmp_path, "coupled_leapfrog", steps=2, num_seeds=2)  # a seed-parallel run: two models
     cfg.model.positions = "rope"
     workdir = str(tmp_path / "run")
-    _, params = loop.train(cfg, workdir, progress=False, return_state=True)
-    model, tokenizer = generate.load_run(workdir)
-    restored = leaves_with_names(nnx.to_pure_dict(nnx.state(model)))
-    trained = leaves_with_names(params["params"])
-    assert restored.keys() == trained.keys()
-    for name in trained:
-        np.testing.assert_array_equal(restored[name], trained[name], err_msg=name)
+    _, state = loop.train(cfg, workdir, progress=False, return_state=True)
+    for replica in (0, 1):
+        model, tokenizer = generate.load_run(workdir, replica)
+        restored = leaves_with_names(nnx.to_pure_dict(nnx.state(model)))
+        trained = leaves_with_names(loop.seed_slice(state["params"], replica))
+        assert restored.keys() == trained.keys()
+        for name in trained:
+            np.testing.assert_array_equal(restored[name], trained[name], err_msg=name)
     assert tokenizer.kind == "byte" and tokenizer.vocab_size == 257
+    with pytest.raises(UserError, match="--replica=2: the run has 2 seed replica"):
+        generate.load_run(workdir, 2)
+    model, _ = generate.load_run(workdir)  # replica 0, what sample.py uses by default
 
     prompts = generate.encode_prompts(tokenizer, ["def f"]) + [np.array([100, 101], np.int32)]
     expected = Generator(model, vocab_limit=tokenizer.vocab_size).generate(prompts, 5, GREEDY)
