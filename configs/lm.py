@@ -113,6 +113,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         eval_batches=0,  # 0 = the whole validation split (every token once); N = the first N batches
         eval_batch_size=0,  # global sequences per eval batch (0 = train.batch_size)
         stop_after=0,  # stop (with a checkpoint) once this many steps are done in total; 0 = train.steps. For tests.
+        # Observability (training/observe.py). MFU is logged when the per-device peak is given, e.g. 989 for an
+        # H100 SXM in bf16 dense (the vendor's figure for the dtype you train in); 0 = not logged (CPU).
+        peak_tflops=0.0,
+        profile_steps=0,  # N > 0: a jax.profiler trace of steps 2..N+1 into WORKDIR/profile
     ))
 
     cfg.checkpoint = ml_collections.ConfigDict(dict(

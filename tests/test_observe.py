@@ -3,6 +3,8 @@ against hand computations and float64 numpy."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import optax
 import pytest
@@ -36,3 +38,46 @@ def test_dt_table_orders_layers_numerically_and_observables_match_numpy():
     scalars = observe.dt_scalars(table[None])  # a leading seed axis of 1
     assert scalars["dt/layer11/head2"].tolist() == [dts[11][2]]
     assert scalars["dt/layer3/max"][0] == dts[3].max() and scalars["dt/layer3/mean"][0] == pytest.approx(dts[3].mean())
+
+
+# -- in the training loop --------------------------------------------------------------------------------------------
+import math  # noqa: E402
+
+import jax  # noqa: E402
+
+from coupled_qk_jax.training import loop  # noqa: E402
+from coupled_qk_jax.training.writers import read_metrics  # noqa: E402
+from test_training import tiny_config  # noqa: E402
+
+
+def test_training_logs_norms_lr_dt_mfu_and_a_profile(tmp_path):
+    cfg = tiny_config(tmp_path, steps=6, log_every=2, profile_steps=2, peak_tflops=1.0)
+    work = str(tmp_path / "run")
+    summary, state = loop.train(cfg, work, progress=False, return_state=True)
+    rows = [r for r in read_metrics(work) if "train_loss" in r]
+    assert [r["step"] for r in rows] == [2, 4, 6]
+    last = rows[-1]
+    flat = np.concatenate([np.ravel(x).astype(np.float64) for x in jax.tree.leaves(state["params"])])
+    assert last["param_norm"] == pytest.approx(np.sqrt(np.sum(flat ** 2)), rel=1e-5)
+    # warm-up 2 steps to lr 3e-3, then cosine to 0.1 * lr over the remaining 4; the update of step s uses count s - 1
+    lr, end = 3e-3, 3e-4
+    assert rows[0]["lr"] == pytest.approx(lr * 1 / 2)
+    assert rows[1]["lr"] == pytest.approx(end + (lr - end) * 0.5 * (1 + math.cos(math.pi * 1 / 4)))
+    for i, block in state["params"]["blocks"].items():
+        for h, value in enumerate(np.asarray(block["attn"]["dt"])):
+            assert last[f"dt/layer{i}/head{h}"] == pytest.approx(float(value), rel=1e-6)
+        assert last[f"dt/layer{i}/max"] == pytest.approx(float(np.max(block["attn"]["dt"])), rel=1e-6)
+    assert last["mfu"] == pytest.approx(last["model_tflops_per_second"] / jax.device_count())
+    assert last["model_tflops_per_second"] > 0 and summary["first_step_seconds"] > 0
+    traces = [f for _, _, fs in os.walk(os.path.join(work, "profile")) for f in fs if f.endswith(".trace.json.gz")]
+    assert traces, "train.profile_steps=2 should leave a jax.profiler trace in WORKDIR/profile"
+
+
+def test_nonfinite_step_is_exact_without_per_step_syncs(tmp_path):
+    """Logging and checkpoints every 8 steps: the loop syncs only after step 1 and at step 8, yet the error names the
+    first non-finite step. lr 1e30 from step 2 on (warm-up of 1 step from 0) makes step 2's update explode, so the
+    loss of step 3, computed with those params, is the first non-finite one."""
+    cfg = tiny_config(tmp_path, lr=1e30, steps=8, warmup_steps=1, grad_clip=1e30, log_every=8)
+    cfg.checkpoint.every = 8
+    with pytest.raises(loop.NonFiniteLossError, match=r"at step 3;.*last good checkpoint is none"):
+        loop.train(cfg, str(tmp_path / "run"), progress=False)

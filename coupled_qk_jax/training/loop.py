@@ -41,6 +41,7 @@ from coupled_qk_jax.data.corpora import CorpusSpec
 from coupled_qk_jax.data.token_cache import TokenCache, build_token_cache
 from coupled_qk_jax.errors import UserError
 from coupled_qk_jax.model import TransformerLM
+from coupled_qk_jax.training import observe
 from coupled_qk_jax.training import optimizer as opt_lib
 from coupled_qk_jax.training import tasks
 from coupled_qk_jax.training.checkpoint import Checkpointer, abstract_target
@@ -206,6 +207,7 @@ class Setup:
 
 
 def setup(cfg: ml_collections.ConfigDict, workdir: str) -> Setup:
+    observe.enable_compilation_cache()  # before the first compile: reuse the programs of earlier runs
     try:
         shd.mesh_shape(cfg.mesh)  # the mesh block's own checks (sizes, -1) are the user's config mistakes
     except ValueError as e:
@@ -262,12 +264,16 @@ def make_sharded_train_step(s: Setup):
     cfg = s.cfg
     step_fn = make_train_step(s.graphdef, s.tx, int(cfg.train.grad_accum), use_dropout=s.mcfg.dropout > 0,
                               param_transform=s.param_transform)
+    schedule = opt_lib.learning_rate_schedule(cfg.train)
 
     def one_seed(state, batch, seed):
         # The key depends only on (seed, step): a resumed run draws exactly the keys of an uninterrupted one, and
         # replica i of a seed-parallel run the keys of the single run with seed i.
         key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), 1), state["step"])
-        return step_fn(state, batch, key)
+        new_state, metrics = step_fn(state, batch, key)
+        # What the logs show beyond the loss (parameter norm, learning rate, Δt per layer and head) is computed
+        # here, inside the step, so it costs no extra pass over the parameters (training/observe.py).
+        return new_state, {**metrics, **observe.step_observables(new_state["params"], state["step"], schedule)}
 
     if len(s.seeds) == 1:
         def train_step(state, batch):
@@ -380,7 +386,11 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True
     writer = MetricsWriter(workdir, resume_step=step, seeds=s.seeds)
     train_step = make_sharded_train_step(s)
     evaluator = make_evaluator(s)
-    schedule = opt_lib.learning_rate_schedule(cfg.train)
+    # MFU: model FLOPs of a step over the step time and the devices' peak (train.peak_tflops; training/observe.py).
+    flops_per_step = observe.model_flops_per_step(s.n_params, s.mcfg, int(cfg.train.batch_size),
+                                                  int(cfg.data.seq_len)) * n_seeds
+    peak_tflops = float(cfg.train.get("peak_tflops", 0.0))
+    profiler = observe.Profiler(workdir, int(cfg.train.get("profile_steps", 0)))
 
     def validate_now(whole: bool = False) -> dict[str, Any]:
         """Periodic evaluations may use the first train.eval_batches batches; the final one scores every example."""
@@ -415,6 +425,10 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True
     bar = tqdm(total=stop_at, initial=step, disable=not (progress and main), dynamic_ncols=True, unit="step")
     log_every, eval_every, ckpt_every = int(cfg.train.log_every), int(cfg.train.eval_every), int(cfg.checkpoint.every)
     window_loss, window_n = np.zeros(n_seeds), 0
+    # The device metrics of the steps since the last host sync. The loop waits for the device only in sync(): at
+    # log, evaluation and checkpoint steps (and at least every 100 steps), not at every step.
+    pending: list[dict[str, Any]] = []
+    last: dict[str, Any] = {}
     # A resumed run that has nothing left to train reports the last logged training loss; its training time
     # continues from the last logged total.
     logged = [r for r in read_metrics(workdir) if "train_loss" in r]
@@ -425,63 +439,95 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True
     status = "completed" if stop_at == steps else "stopped"
     # Throughput over this process's steps, from the end of the first step (which includes compilation), with the
     # periodic evaluations' time taken out.
-    t_first, steps_timed, eval_seconds = None, 0, 0.0
-    t_window = time.perf_counter()
-    try:
-        while step < stop_at:
-            batch = tasks.global_seed_batch(next(data_iter), s.mesh, n_seeds)
-            state, metrics = train_step(state, batch)
-            step += 1
-            # syncs: cheap next to a step
-            loss = np.asarray(metrics["loss"], np.float64).reshape(-1)
-            grad_norm = np.asarray(metrics["grad_norm"], np.float64).reshape(-1)
+    t_first, steps_timed, eval_seconds, first_step_seconds = None, 0, 0.0, None
+    t_window = t_loop = time.perf_counter()
+
+    def sync() -> None:
+        """Fetch the pending steps' metrics, add their losses to the log window, and stop at the first non-finite
+        loss or gradient norm (its step is exact: every step's metrics are kept until here)."""
+        nonlocal window_loss, window_n, status, last_saved, last
+        if not pending:
+            return
+        host = jax.device_get(pending)
+        for i, m in enumerate(host):
+            at = step - len(host) + 1 + i
+            loss = np.asarray(m["loss"], np.float64).reshape(-1)
+            grad_norm = np.asarray(m["grad_norm"], np.float64).reshape(-1)
             if not (np.all(np.isfinite(loss)) and np.all(np.isfinite(grad_norm))):
                 status = "nonfinite"
                 s.checkpointer.wait()
-                last_saved = s.checkpointer.drop_unverified(step - 1)
+                # Every save happens after a sync, so no checkpoint is newer than at - 1, whose params gave this loss.
+                last_saved = s.checkpointer.drop_unverified(at - 1)
                 bad = [seed for seed, l, g in zip(s.seeds, loss, grad_norm) if not (math.isfinite(l)
                                                                                     and math.isfinite(g))]
                 raise NonFiniteLossError(
-                    f"non-finite loss ({loss.tolist() if n_seeds > 1 else loss[0]}) or gradient norm at step {step}"
+                    f"non-finite loss ({loss.tolist() if n_seeds > 1 else loss[0]}) or gradient norm at step {at}"
                     f"{f' (seeds {bad})' if n_seeds > 1 else ''}; stopped, the last good checkpoint is "
                     f"{'step ' + str(last_saved) if last_saved is not None else 'none (no save yet)'}")
-            now = time.perf_counter()
-            if t_first is None:
-                t_first = now
-            else:
-                steps_timed += 1
             window_loss += loss
             window_n += 1
-            if log_every and (step % log_every == 0 or step == stop_at):
-                train_loss = window_loss / window_n
-                tps = window_n * tokens_per_step * n_seeds / max(now - t_window, 1e-9)
-                elapsed = train_seconds_before + (now - t_first - eval_seconds)
-                writer.write(step, {**per_seed({"train_loss": train_loss, "grad_norm": grad_norm}, n_seeds),
-                                    "lr": float(schedule(step - 1)), "tokens_seen": step * tokens_per_step,
-                                    "tokens_per_second": tps, "train_seconds": elapsed})
-                bar.set_postfix(loss=f"{float(np.mean(train_loss)):.3f}", tok_s=f"{tps:,.0f}")
-                window_loss, window_n, t_window = np.zeros(n_seeds), 0, time.perf_counter()
-            bar.update(1)
-            if eval_every and step % eval_every == 0 and step < stop_at:
-                val = validate_now()
-                writer.write(step, per_seed(val, n_seeds))
-                t_window += time.perf_counter() - now  # the window's tokens/s counts training time only
+        last = host[-1]
+        pending.clear()
+
+    try:
+        while step < stop_at:
+            batch = tasks.global_seed_batch(next(data_iter), s.mesh, n_seeds)
+            profiler.before_step()
+            state, metrics = train_step(state, batch)
+            profiler.after_step(metrics)
+            step += 1
+            pending.append(metrics)
+            log_now = bool(log_every) and (step % log_every == 0 or step == stop_at)
             # One process: our SIGINT/SIGTERM flag. Several: orbax's preemption sync (jax.distributed's SIGTERM
             # notice), which makes every process stop at the same step, so their collective save cannot deadlock.
             stop_requested = (bool(_STOP_SIGNAL) if jax.process_count() == 1
                               else s.checkpointer.reached_preemption(step))
-            if step % ckpt_every == 0 or step == stop_at or stop_requested or save_due(time.monotonic()):
+            save_now = step % ckpt_every == 0 or step == stop_at or stop_requested or save_due(time.monotonic())
+            eval_now = bool(eval_every) and step % eval_every == 0 and step < stop_at
+            if t_first is None or log_now or save_now or eval_now or len(pending) >= (log_every or 100):
+                sync()
+            now = time.perf_counter()
+            if t_first is None:  # the first step, synced above: compilation plus one step
+                t_first, first_step_seconds = now, now - t_loop
+            else:
+                steps_timed += 1
+            if log_now:
+                train_loss = window_loss / window_n
+                window_seconds = max(now - t_window, 1e-9)
+                tps = window_n * tokens_per_step * n_seeds / window_seconds
+                elapsed = train_seconds_before + (now - t_first - eval_seconds)
+                row = {**per_seed({"train_loss": train_loss, "grad_norm": last["grad_norm"],
+                                   "param_norm": last["param_norm"]}, n_seeds),
+                       "lr": float(np.ravel(last["lr"])[0]), "tokens_seen": step * tokens_per_step,
+                       "tokens_per_second": tps, "train_seconds": elapsed,
+                       "model_tflops_per_second": flops_per_step * window_n / window_seconds / 1e12}
+                util = observe.mfu(flops_per_step, window_n, window_seconds, peak_tflops, jax.device_count())
+                if util is not None:
+                    row["mfu"] = util
+                if "dt" in last:
+                    row.update(per_seed(observe.dt_scalars(np.asarray(last["dt"])), n_seeds))
+                writer.write(step, row)
+                bar.set_postfix(loss=f"{float(np.mean(train_loss)):.3f}", tok_s=f"{tps:,.0f}")
+                window_loss, window_n, t_window = np.zeros(n_seeds), 0, time.perf_counter()
+            bar.update(1)
+            if eval_now:
+                val = validate_now()
+                writer.write(step, per_seed(val, n_seeds))
+                t_window += time.perf_counter() - now  # the window's tokens/s counts training time only
+            if save_now:
                 save(step)
             if stop_requested:
                 status = "interrupted"
                 break
         bar.close()
+        sync()
         if not log_every or window_n:  # steps since the last log line (or logging off): still report a train loss
             train_loss = window_loss / window_n if window_n else train_loss
         if status != "interrupted":
             val = validate_now(whole=True)
             writer.write(step, per_seed(val, n_seeds))
     finally:
+        profiler.stop()
         bar.close()
         s.checkpointer.wait()  # a pending async save must land before we report (or exit)
         writer.close()
@@ -496,6 +542,8 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True
                **summary_metrics(val, n_seeds), "checkpoint_step": last_saved,
                "wall_seconds": round(time.time() - t_start, 3),
                "train_seconds": round(train_seconds_before + train_time, 3),
+               # compilation (or a persistent-cache hit) plus one step, in this process
+               "first_step_seconds": round(first_step_seconds, 3) if first_step_seconds is not None else None,
                # all seeds together: the throughput of the compiled program
                "tokens_per_second": (steps_timed * tokens_per_step * n_seeds / train_time) if steps_timed else None}
     if main:

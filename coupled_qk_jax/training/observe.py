@@ -56,7 +56,7 @@ def dt_table(params: Any) -> jax.Array | None:
 def step_observables(params: Any, step: jax.Array, schedule: optax.Schedule) -> dict[str, jax.Array]:
     """Inside the jitted step, after the update: ``param_norm`` (global L2 norm), ``lr`` (the learning rate the update
     used, ``schedule(step)`` of the step before it), and ``dt`` [L, H] for dynamics variants."""
-    out = {"param_norm": optax.global_norm(params), "lr": jnp.asarray(schedule(step), jnp.float32)}
+    out = {"param_norm": optax.tree.norm(params), "lr": jnp.asarray(schedule(step), jnp.float32)}
     dt = dt_table(params)
     if dt is not None:
         out["dt"] = dt
