@@ -423,7 +423,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--scale", default="tiny")
     p.add_argument("--steps", type=int, default=500)
     p.add_argument("--seeds", type=int, default=3, help="number of seeds (0..S-1), trained in parallel")
-    p.add_argument("--corpus", default="stdlib")
+    p.add_argument("--corpus", default="stdlib", help="corpus string of docs/data.md, e.g. text_dir:DIR")
+    p.add_argument("--split-fractions", default="", help="train,validation,test shares of a file corpus, e.g. "
+                   "0.8,0.1,0.1 (a small folder needs larger held-out shares than the default 0.98,0.01,0.01)")
     p.add_argument("--corpus-dir", help="recipe f: directory prepared by python -m experiments.corpora_prep")
     p.add_argument("--levels", default="easy", help="recipe g: comma-separated MQAR levels")
     p.add_argument("--epochs", type=int, default=16, help="recipe g: MQAR epochs")
@@ -463,6 +465,10 @@ def main(argv: list[str] | None = None) -> None:
         overrides = dict(_key_value(kv, "--set") for kv in args.set)
         runs = [dataclasses.replace(r, config={**r.config, **{k: _value(v) for k, v in overrides.items()}})
                 for r in runs]
+        if args.split_fractions:  # a string field: not parsed as a tuple literal like --set values
+            loop.corpus_spec(ml_collections.ConfigDict({"corpus": "stdlib", "split_fractions": args.split_fractions}))
+            runs = [dataclasses.replace(r, config={**r.config, "data.split_fractions": args.split_fractions})
+                    if r.task == "lm" else r for r in runs]
         for g in args.grid:
             key, values = _key_value(g, "--grid")
             runs = with_grid(runs, key, [_value(v) for v in values.split(",")])

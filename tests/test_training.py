@@ -147,8 +147,12 @@ def test_bad_input_errors(tmp_path):
 
     cfg = tiny_config(tmp_path)
     cfg.data.split_fractions = "1,0,0"  # nothing held out: refused before training, not at the final evaluation
-    with pytest.raises(ValueError, match="validation split .* is empty"):
+    with pytest.raises(ValueError, match=r"the validation split of .* has 0 token\(s\), fewer than the 2 .*"
+                                         r"data.split_fractions"):
         loop.train(cfg, str(tmp_path / "f"), progress=False)
+    cfg.data.split_fractions = "0,0.5,0.5"  # no training text: named before any step, not inside the pipeline
+    with pytest.raises(ValueError, match=r"the train split of .* has 0 token\(s\), fewer than the 33"):
+        loop.train(cfg, str(tmp_path / "g"), progress=False)
 
     cfg = tiny_config(tmp_path, batch_size=4)  # 4 rows cannot split over 8 data-parallel devices
     with pytest.raises(ValueError, match="not divisible by the 8 data-parallel devices"):

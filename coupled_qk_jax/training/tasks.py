@@ -96,9 +96,18 @@ class LMTask:
     name = "lm"
 
     def __post_init__(self) -> None:
-        if self.cache.tokens("validation").shape[0] < 2:  # found now, not after hours of training
-            raise UserError(f"the validation split of {self.cfg.data.corpus} is empty; a small directory needs "
-                             f"larger held-out shares, e.g. --config.data.split_fractions=0.8,0.1,0.1")
+        # Found now, not after hours of training (or after the first steps, inside the pipeline).
+        self.require_split("train", int(self.cfg.data.seq_len) + 1, "one training window (data.seq_len + 1)")
+        self.require_split("validation", 2, "an evaluation")
+
+    def require_split(self, split: str, needed: int, what: str) -> None:
+        """A one-line error naming the split, its size and the fix when it has fewer than ``needed`` tokens."""
+        n = int(self.cache.tokens(split).shape[0])
+        if n < needed:
+            raise UserError(
+                f"the {split} split of {self.cfg.data.corpus} has {n} token(s), fewer than the {needed} that {what} "
+                f"needs; give it a larger share with data.split_fractions, e.g. 0.8,0.1,0.1 (train.py "
+                f"--config.data.split_fractions=..., main_job --split_fractions, sweep --split-fractions)")
 
     def eval_batch_size(self) -> int:
         return int(self.cfg.train.get("eval_batch_size", 0)) or int(self.cfg.train.batch_size)
@@ -118,6 +127,7 @@ class LMTask:
         step = _jit_eval(make_eval_step(graphdef, param_transform), params_shardings, mesh, num_seeds)
 
         def evaluate(params: Any, split: str = "validation", max_batches: int = 0) -> dict[str, Any]:
+            self.require_split(split, 2, "an evaluation")
             r = evaluate_tokens(step, params, self.cache.tokens(split), int(self.cfg.data.seq_len),
                                 self.eval_batch_size(), mesh, bos_id=self.cache.eot_id, max_batches=max_batches)
             return {"val_loss": np.atleast_1d(r["loss"]), "val_ppl": np.atleast_1d(r["ppl"]), "val_tokens": r["tokens"]}
