@@ -33,6 +33,8 @@ flags.DEFINE_string("workdir", None, "Run directory: config, data fingerprint, t
                     "Reused to resume.")
 flags.DEFINE_bool("print_config", False, "Print the resolved config (every field, defaults included) as JSON "
                   "and exit.")
+flags.DEFINE_list("allow_change", [], "Config fields allowed to differ from the run's on resume, e.g. "
+                  "train.steps,train.eval_every (each recorded in DIR/history.jsonl).")
 flags.mark_flags_as_required(["config"])
 FLAGS = flags.FLAGS
 
@@ -61,7 +63,7 @@ def main(argv: list[str]) -> None:
 
 
 def _train(loop) -> dict:
-    summary = loop.train(FLAGS.config, FLAGS.workdir)
+    summary = loop.train(FLAGS.config, FLAGS.workdir, allow_change=tuple(FLAGS.allow_change))
     if summary.get("valid/accuracy") is not None:  # MQAR
         score = f"valid/accuracy {summary['valid/accuracy']:.4f}"
     else:

@@ -8,6 +8,7 @@ token arrays, where a window's contents name its own start position.
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import subprocess
@@ -22,7 +23,7 @@ import pytest
 from coupled_qk_jax.data.corpora import (
     SPLITS, CorpusError, CorpusSpec, ReadStats, carve_fractions, iter_documents, list_files, split_of)
 from coupled_qk_jax.data.pipeline import (
-    IGNORE_INDEX, eval_batches, make_train_iterator, num_eval_batches, num_train_slots, train_window_starts)
+    IGNORE_INDEX, eval_batches, make_train_iterator, num_eval_batches, num_windows)
 from coupled_qk_jax.data.token_cache import build_token_cache, load_token_cache, token_dtype
 from coupled_qk_jax.data.tokenizer import BPETokenizer, ByteTokenizer
 
@@ -356,13 +357,16 @@ def test_token_cache_vocab_mismatch(corpus_dir: Path, bpe: BPETokenizer, tmp_pat
 
 # -- pipeline --------------------------------------------------------------------------------------------------------
 def _check_windows(batch: dict[str, np.ndarray], seq_len: int) -> np.ndarray:
-    """With tokens = arange(N), a window is arange(s, s + T); returns the starts s."""
+    """With tokens = arange(N) and no bos, window k is inputs arange(kT, kT + T), targets + 1 (IGNORE_INDEX past the
+    end of the split); returns the window indices k."""
     x, y = batch["inputs"], batch["targets"]
     assert x.dtype == np.int32 and y.dtype == np.int32 and x.shape == y.shape and x.shape[1] == seq_len
-    starts = x[:, 0]
-    np.testing.assert_array_equal(x, starts[:, None] + np.arange(seq_len))
-    np.testing.assert_array_equal(y, x + 1)
-    return starts
+    k = x[:, 0] // seq_len
+    assert (x[:, 0] % seq_len == 0).all()
+    valid = y != IGNORE_INDEX
+    np.testing.assert_array_equal(x[valid], (k[:, None] * seq_len + np.arange(seq_len))[valid])
+    np.testing.assert_array_equal(y[valid], x[valid] + 1)
+    return k
 
 
 def test_train_batches_deterministic_and_seed_dependent():
@@ -374,38 +378,47 @@ def test_train_batches_deterministic_and_seed_dependent():
         np.testing.assert_array_equal(x["targets"], y["targets"])
     assert any(not np.array_equal(x["inputs"], z["inputs"]) for x, z in zip(a, c))
     for batch in a:
-        assert (_check_windows(batch, 32) + 32 < 5000).all()
+        assert (_check_windows(batch, 32) < num_windows(5000, 32)).all()
 
 
-def test_train_epoch_covers_every_slot_once_and_reshuffles():
-    tokens = np.arange(1000, dtype=np.int32)
-    seq_len = 16
-    slots = num_train_slots(1000, seq_len)
-    assert slots == 999 // 16
-    ds = train_window_starts(tokens, seq_len, seed=3)
-    epoch0 = np.array([ds[i] for i in range(slots)])
-    epoch1 = np.array([ds[i] for i in range(slots, 2 * slots)])
-    for ep in (epoch0, epoch1):
-        assert sorted(ep // seq_len) == list(range(slots))
-        assert (ep + seq_len < 1000).all()
-    assert not np.array_equal(epoch0 // seq_len, epoch1 // seq_len)  # a new order each epoch
-    assert len(set((epoch0 % seq_len).tolist())) > 1  # random offsets inside slots
+@pytest.mark.parametrize("n, seq_len, batch, bos", [(1009, 16, 3, 5000), (1009, 16, 4, None), (97, 10, 4, 5000)])
+def test_train_epoch_makes_every_token_a_target_exactly_once(n: int, seq_len: int, batch: int, bos: int | None):
+    """Through the real iterator, on a split whose size is a prime (no multiple of T or B): the first W windows
+    (one epoch; batches may straddle epochs) score each token exactly once; the next epoch is another order."""
+    tokens = np.arange(n, dtype=np.uint16)  # token value = its position
+    w = num_windows(n, seq_len, bos_id=bos)
+    assert w == math.ceil((n if bos is not None else n - 1) / seq_len)
+    it = make_train_iterator(tokens, seq_len, batch, seed=3, bos_id=bos, num_threads=1)
+    rows_x, rows_y = [], []
+    while len(rows_y) < 2 * w:
+        b = next(it)
+        rows_x += list(b["inputs"])
+        rows_y += list(b["targets"])
+    epochs = [np.stack(rows_y[:w]), np.stack(rows_y[w:2 * w])]
+    for y in epochs:
+        targets = np.sort(y[y != IGNORE_INDEX])
+        np.testing.assert_array_equal(targets, np.arange(0 if bos is not None else 1, n))  # each exactly once
+        assert (y == IGNORE_INDEX).sum() == w * seq_len - targets.size  # only the last window is padded
+    firsts = [np.stack(rows_x[:w])[:, 0], np.stack(rows_x[w:2 * w])[:, 0]]
+    assert not np.array_equal(firsts[0], firsts[1])  # reshuffled each epoch
+    if bos is not None:  # the window of the split's first token starts with the separator, as in evaluation
+        assert any(r[0] == bos and t[0] == 0 for r, t in zip(rows_x[:w], rows_y[:w]))
 
 
 def test_per_host_slices_are_disjoint_and_cover_single_host():
     tokens = np.arange(4001, dtype=np.int32)
-    seq_len, slots = 25, num_train_slots(4001, 25)  # 160 slots
+    seq_len, windows = 25, num_windows(4001, 25)  # 160 windows
     single = make_train_iterator(tokens, seq_len, 4, seed=7)
     hosts = [make_train_iterator(tokens, seq_len, 2, seed=7, process_index=p, process_count=2) for p in (0, 1)]
     seen = {0: [], 1: []}
-    for _ in range(slots // 4):  # exactly one epoch
+    for _ in range(windows // 4):  # exactly one epoch
         ref = _check_windows(next(single), seq_len)
         parts = [_check_windows(next(h), seq_len) for h in hosts]
         seen[0] += parts[0].tolist()
         seen[1] += parts[1].tolist()
         assert sorted(ref.tolist()) == sorted(parts[0].tolist() + parts[1].tolist())
     assert not set(seen[0]) & set(seen[1])
-    assert sorted(s // seq_len for s in seen[0] + seen[1]) == list(range(slots))
+    assert sorted(seen[0] + seen[1]) == list(range(windows))
 
 
 def test_iterator_state_round_trip():
@@ -471,8 +484,8 @@ def test_eval_windows_across_hosts():
 
 def test_pipeline_errors():
     tokens = np.arange(100, dtype=np.int32)
-    with pytest.raises(CorpusError, match="seq_len 100 needs at least 101 tokens, but the split has 100"):
-        make_train_iterator(tokens, 100, 2, seed=0)
+    with pytest.raises(CorpusError, match="training split has 1 token"):
+        make_train_iterator(tokens[:1], 100, 2, seed=0)
     with pytest.raises(CorpusError, match="nothing to evaluate"):
         next(eval_batches(np.zeros(0, np.uint16), 8, 2))
     with pytest.raises(CorpusError, match="process_index"):
@@ -487,9 +500,11 @@ def test_end_to_end_cache_to_batches(corpus_dir: Path, tmp_path: Path):
     it = make_train_iterator(train, 64, 8, seed=0)
     b = next(it)
     assert b["inputs"].shape == (8, 64) and b["inputs"].max() < cache.vocab_size
-    # Each row is a contiguous slice of the memmapped split.
+    # Each full row is a contiguous slice of the memmapped split.
     flat = np.asarray(train, dtype=np.int32)
     for row_x, row_y in zip(b["inputs"], b["targets"]):
+        if (row_y == IGNORE_INDEX).any():  # the epoch's one partly padded window
+            continue
         starts = np.flatnonzero(flat[: flat.size - 64] == row_x[0])
         assert any(np.array_equal(flat[s:s + 64], row_x) and np.array_equal(flat[s + 1:s + 65], row_y)
                    for s in starts)
@@ -510,6 +525,6 @@ def test_gather_pickles_memmap_by_reference(tmp_path: Path):
     mm = np.memmap(tmp_path / "t.bin", dtype=np.uint16, mode="r", shape=(200_000,))
     blob = pickle.dumps(_Gather(mm, 8))
     assert len(blob) < 10_000  # the 400 kB array is not inside
-    out = pickle.loads(blob)(np.array([5, 1000]))
-    np.testing.assert_array_equal(out["inputs"], np.stack([np.arange(5, 13), np.arange(1000, 1008)]))
+    out = pickle.loads(blob)(np.array([5, 125]))  # window indices
+    np.testing.assert_array_equal(out["inputs"], np.stack([np.arange(40, 48), np.arange(1000, 1008)]))
     np.testing.assert_array_equal(out["targets"], out["inputs"] + 1)

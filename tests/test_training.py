@@ -19,6 +19,7 @@ from configs.lm import get_config
 from coupled_qk_jax import sharding as shd
 from coupled_qk_jax.config import ModelConfig
 from coupled_qk_jax.data.pipeline import IGNORE_INDEX
+from coupled_qk_jax.errors import UserError
 from coupled_qk_jax.model import TransformerLM
 from coupled_qk_jax.training import loop
 from coupled_qk_jax.training import optimizer as opt_lib
@@ -95,14 +96,14 @@ def test_exact_resume_is_bitwise(tmp_path):
     # Checkpoint retention: steps 3 and 6 are kept; the config item holds the run's config.
     ck = Checkpointer(tmp_path / "resumed" / "checkpoints")
     assert ck.all_steps() == [3, 6]
-    assert ck.saved_config(6)["model"] == cfg2.model.to_dict()
+    assert ck.read_meta(6)["config"]["model"] == cfg2.model.to_dict()
     ck.close()
 
     # A config with a different model is refused, and the checkpoints are left untouched.
     before = sorted(os.listdir(tmp_path / "resumed" / "checkpoints"))
     other = tiny_config(tmp_path, steps=9)
     other.model.d_model = 64
-    with pytest.raises(ValueError, match="different model.*d_model"):
+    with pytest.raises(UserError, match=r"other settings: model.d_model: run 32, now 64.*train.steps: run 6, now 9"):
         loop.train(other, str(tmp_path / "resumed"), progress=False)
     assert sorted(os.listdir(tmp_path / "resumed" / "checkpoints")) == before
 
@@ -120,8 +121,8 @@ def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
     assert f"checkpoint is step {last}" in str(info.value)
     ck.close()
     # The kept checkpoint is finite: resuming from it evaluates to a finite loss.
-    summary = loop.evaluate_checkpoint(cfg, str(tmp_path / "run"), "validation")
-    assert summary["step"] == last and math.isfinite(summary["val_loss"])
+    result = loop.evaluate_run(str(tmp_path / "run"), "validation")
+    assert result["step"] == last and math.isfinite(result["loss"])
 
 
 def test_bad_input_errors(tmp_path):

@@ -33,7 +33,8 @@ from typing import Any
 import numpy as np
 
 from coupled_qk_jax.data.corpora import (
-    SPLITS, CorpusError, CorpusSpec, ReadStats, iter_documents, list_files, source_fingerprint)
+    SPLITS, CorpusError, CorpusSpec, ReadStats, all_files, hf_local_path, iter_documents, list_files,
+    source_fingerprint, split_of)
 from coupled_qk_jax.data.tokenizer import BPETokenizer, ByteTokenizer, Tokenizer, tokenizer_json_sha256
 
 logger = logging.getLogger(__name__)
@@ -263,6 +264,84 @@ def _load_tokenizer(manifest: dict[str, Any], entry: Path) -> Tokenizer:
         return ByteTokenizer()
     # A tokenizer.json that no longer matches its manifest (replaced by hand) must not silently re-map the ids.
     return BPETokenizer.load(entry / info["file"], int(info["vocab_size"]))
+
+
+def find_token_cache(corpus: CorpusSpec | str | dict[str, Any], cache_dir: str | os.PathLike[str], *,
+                     tokenizer: str = "bpe", vocab_size: int = 8192, tokenizer_path: str | None = None,
+                     bpe_train_bytes: int | None = 200 << 20) -> TokenCache | None:
+    """The existing, up-to-date entry that :func:`build_token_cache` would return for these arguments, or None
+    (nothing is built: a resumed run uses this to reuse its own entry before falling back to its tokenizer copy)."""
+    spec = CorpusSpec.coerce(corpus)
+    key, _ = cache_key(spec, tokenizer, vocab_size, tokenizer_path, bpe_train_bytes)
+    entry = Path(cache_dir) / "tokens" / f"{spec.kind}-{key}"
+    manifest_path = entry / "manifest.json"
+    if not manifest_path.is_file():
+        return None
+    manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+    if _stale_reason(manifest, key, source_fingerprint(spec), entry) is not None:
+        return None
+    return TokenCache(entry, manifest, _load_tokenizer(manifest, entry))
+
+
+# -- data fingerprint ------------------------------------------------------------------------------------------------
+def _file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def source_contents(corpus: CorpusSpec | str | dict[str, Any]) -> dict[str, Any]:
+    """What a corpus is made of right now, by content: every file's path relative to the corpus root, size,
+    SHA-256 and split (``[[path, size, sha256, split], ...]``). Reads every file once; no tokenisation.
+
+    Paths are relative, so a corpus moved to another directory (or machine) has the same contents. A hub dataset
+    (``hf:NAME`` not on disk) is described by its name and config only; its documents' hashes are in the token
+    counts' ``text_sha256`` of :func:`data_fingerprint`.
+    """
+    spec = CorpusSpec.coerce(corpus)
+    if spec.kind in ("stdlib", "text_dir"):
+        root, files = all_files(spec)
+        entries = [[f, (root / f).stat().st_size, _file_sha256(root / f), split_of(f, spec.split_fractions)]
+                   for f in files]
+        return {"kind": spec.kind, "files": entries}
+    if spec.kind == "wikitext103":
+        from coupled_qk_jax.data.corpora import _wikitext_paths  # noqa: PLC0415 - the reader's own file lookup
+
+        paths = _wikitext_paths(spec)
+        return {"kind": spec.kind, "files": [[p.name, p.stat().st_size, _file_sha256(p), split]
+                                             for split, p in paths.items()]}
+    if spec.kind == "hf":
+        local = hf_local_path(spec)
+        if local is None:
+            return {"kind": "hf", "name": spec.name, "config": spec.config}
+        files = [local] if local.is_file() else sorted(p for p in local.rglob("*") if p.is_file())
+        return {"kind": "hf", "files": [[p.name if p == local else p.relative_to(local).as_posix(),
+                                         p.stat().st_size, _file_sha256(p), "*"] for p in files]}
+    return {"kind": "mixture", "sources": [[source_contents(sub), w] for sub, w in spec.sources]}
+
+
+def tokenizer_sha256(cache: TokenCache) -> str:
+    """Identity of a cache entry's tokenizer: the canonical-JSON hash of its tokenizer.json, or "byte"."""
+    info = cache.manifest["tokenizer"]
+    return "byte" if info["kind"] == "byte" else tokenizer_json_sha256(cache.directory / info["file"])
+
+
+def data_fingerprint(corpus: CorpusSpec | str | dict[str, Any], cache: TokenCache,
+                     sources: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Everything that makes a run's data what it is: the corpus spec, its files by content
+    (:func:`source_contents`, which decides the split assignment), each split's token count and hashes of its
+    text and tokens, and the tokenizer. Two runs with equal fingerprints (ignoring the corpus root directory)
+    train and evaluate on the same token ids."""
+    spec = CorpusSpec.coerce(corpus)
+    splits = {s: {k: cache.manifest["splits"][s][k] for k in ("tokens", "documents", "text_sha256", "tokens_sha256")}
+              for s in SPLITS}
+    info = cache.manifest["tokenizer"]
+    return {"corpus": spec.to_dict(), "sources": sources if sources is not None else source_contents(spec),
+            "splits": splits, "dtype": cache.manifest["dtype"],
+            "tokenizer": {"kind": info["kind"], "vocab_size": int(info["vocab_size"]), "eot_id": int(info["eot_id"]),
+                          "sha256": tokenizer_sha256(cache)}}
 
 
 def load_token_cache(directory: str | os.PathLike[str]) -> TokenCache:

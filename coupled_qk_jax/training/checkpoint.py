@@ -1,22 +1,37 @@
-"""Checkpoints: one orbax CheckpointManager per workdir holding the train state, the data iterator and the config.
+"""Checkpoints: one orbax CheckpointManager per workdir holding the train state, the data iterator and a meta record.
 
 Layout (``WORKDIR/checkpoints``)::
 
     <step>/state/    params, opt_state, step   (orbax StandardSave: sharded arrays, restored into given shardings)
     <step>/data/     process_<i>-of-<n>.json   (grain iterator state, one file per host)
-    <step>/config/   the run's ConfigDict as JSON
+    <step>/meta/     JSON: the run's config, its data fingerprint, the training stream's spec
+                     (``pipeline.train_stream_spec``), the open train-loss window, and a checksum of every state leaf
 
 orbax writes each step into a temporary directory and renames it when every item is complete, so a crash (even
 SIGKILL) during a save leaves the previous checkpoints untouched and the half-written one invisible; leftover
 temporary directories are removed when the manager is opened again.
+
+Integrity. A completed checkpoint can still be damaged later (a truncated or deleted file, missing metadata, bytes
+overwritten on disk). Every restore reads the meta record, restores the arrays and recomputes each leaf's checksum
+(:func:`leaf_checksums`); any failure makes that step *damaged*. :meth:`Checkpointer.restore_newest_intact` then
+names it in a one-line warning and tries the next older step; nothing is deleted (train.py moves a damaged step
+aside, see training/rundir.py). A failed save raises :class:`CheckpointSaveError` at once and removes the
+half-written temporary directory.
 """
 
 from __future__ import annotations
 
+import functools
 import os
-from typing import Any
+import shutil
+import sys
+from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as policies
 
@@ -24,12 +39,71 @@ import grain
 
 from coupled_qk_jax.errors import UserError
 
-ITEMS = ("state", "data", "config")
+ITEMS = ("state", "data", "meta")
+_TMP_MARK = ".orbax-checkpoint-tmp"
 
 
 class CheckpointSaveError(RuntimeError):
     """Writing a checkpoint failed (disk full, permissions...): the run stops; the message names the cause and
     the last good checkpoint."""
+
+
+class DamagedCheckpoint(Exception):
+    """A checkpoint step that cannot be read back exactly; the message says what is wrong (one line)."""
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Per-leaf checksums.
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _leaf_sums(x: jax.Array) -> jax.Array:
+    """[2] uint32: the wrapping sums of x's bit patterns, plain and position-weighted. Integer addition modulo 2^32 is
+    associative, so the value does not depend on the sharding, the device count or the reduction order; the weights
+    (an odd multiple of each element's flat index, computed from iotas so no reshape gathers the array) catch
+    swapped or shifted blocks that the plain sum would miss."""
+    width = x.dtype.itemsize
+    if width == 8:  # a trailing axis of 2 words
+        u = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    elif width == 4:
+        u = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    else:
+        u = jax.lax.bitcast_convert_type(x, {2: jnp.uint16, 1: jnp.uint8}[width]).astype(jnp.uint32)
+    if u.ndim == 0:
+        return jnp.stack([u, u * jnp.uint32(0x9E3779B1)])
+    index = jnp.zeros(u.shape, jnp.uint32)
+    stride = 1
+    for d in reversed(range(u.ndim)):
+        index = index + jax.lax.broadcasted_iota(jnp.uint32, u.shape, d) * jnp.uint32(stride % 2**32)
+        stride *= u.shape[d]
+    weights = index * jnp.uint32(0x9E3779B1) + jnp.uint32(1)
+    return jnp.stack([jnp.sum(u, dtype=jnp.uint32), jnp.sum(u * weights, dtype=jnp.uint32)])
+
+
+@functools.lru_cache(maxsize=8)
+def _sums_fn(mesh: Mesh | None) -> Callable[[Any], Any]:
+    # Replicated outputs, so that every process of a multi-host run can read them.
+    out = NamedSharding(mesh, P()) if mesh is not None else None
+    return jax.jit(lambda tree: jax.tree.map(_leaf_sums, tree), out_shardings=out)
+
+
+def leaf_checksums(state: Any) -> dict[str, list[int]]:
+    """``{leaf path: [plain, weighted]}`` 32-bit checksums of every array of ``state`` (computed on device)."""
+    sharding = getattr(jax.tree.leaves(state)[0], "sharding", None)
+    sums = _sums_fn(sharding.mesh if isinstance(sharding, NamedSharding) else None)(state)
+    flat = jax.tree_util.tree_flatten_with_path(sums)[0]
+    return {jax.tree_util.keystr(p): [int(v) for v in np.asarray(s.addressable_data(0)).reshape(-1)]
+            for p, s in flat}
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:200]}" if text else type(e).__name__
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The manager.
+# --------------------------------------------------------------------------------------------------------------------
 
 
 class Checkpointer:
@@ -42,10 +116,11 @@ class Checkpointer:
       keep_every: also keep every checkpoint whose step is a multiple of this (0 = off).
       async_save: write array data in a background thread; ``save`` returns after the device-to-host copy, so the
         caller may donate / overwrite the saved arrays right away.
+      read_only: for evaluation: never create the directory or remove anything in it.
     """
 
     def __init__(self, directory: str | os.PathLike[str], keep_last: int = 2, keep_every: int = 0,
-                 async_save: bool = True) -> None:
+                 async_save: bool = True, read_only: bool = False) -> None:
         if keep_last < 1:
             raise UserError(f"checkpoint.keep_last must be >= 1, got {keep_last}")
         if keep_every < 0:
@@ -55,40 +130,138 @@ class Checkpointer:
         if keep_every:
             keep.append(policies.EveryNSteps(interval_steps=keep_every))
         options = ocp.CheckpointManagerOptions(
-            enable_async_checkpointing=async_save,
+            enable_async_checkpointing=async_save and not read_only,
             preservation_policy=policies.AnyPreservationPolicy(keep) if len(keep) > 1 else keep[0],
-            cleanup_tmp_directories=True,  # a save interrupted by SIGKILL leaves a tmp dir: drop it on reopen
-            create=True,
+            cleanup_tmp_directories=not read_only,  # a save interrupted by SIGKILL leaves a tmp dir: drop it
+            create=not read_only,
+            read_only=read_only,
         )
         self.manager = ocp.CheckpointManager(self.directory, item_names=ITEMS, options=options)
+        self._pending: int | None = None  # the step of an async save not yet known to be on disk
 
     def latest_step(self) -> int | None:
         """The newest *completed* checkpoint's step (unfinished saves are not listed)."""
         return self.manager.latest_step()
 
     def all_steps(self) -> list[int]:
-        return list(self.manager.all_steps())
+        return sorted(self.manager.all_steps())
 
-    def saved_config(self, step: int) -> dict[str, Any]:
-        """The config dict stored with checkpoint ``step`` (no arrays are read)."""
-        out = self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
-        return dict(out["config"])
+    def read_meta(self, step: int) -> dict[str, Any]:
+        """The meta record of checkpoint ``step`` (no arrays are read). Raises DamagedCheckpoint."""
+        try:
+            out = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+            meta = dict(out["meta"])
+        except Exception as e:  # noqa: BLE001 - any failure to read it means this step is unusable
+            raise DamagedCheckpoint(f"its meta record cannot be read ({_first_line(e)})") from e
+        if "checksums" not in meta or "config" not in meta:
+            raise DamagedCheckpoint("its meta record lacks the checksums or the config")
+        return meta
 
-    def save(self, step: int, state: dict, data_iter: grain.DatasetIterator, config: dict[str, Any]) -> None:
-        """Saves all three items under ``step`` (forced: our loop decides when to save)."""
-        self.manager.save(step, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state),
-            data=grain.checkpoint.CheckpointSave(data_iter),
-            config=ocp.args.JsonSave(config)), force=True)
+    # -- saving ------------------------------------------------------------------------------------------------
+    def save(self, step: int, state: dict, data_iter: grain.DatasetIterator, meta: dict[str, Any]) -> None:
+        """Saves all three items under ``step`` (forced: our loop decides when to save). ``meta`` gets the state's
+        checksums added. Raises CheckpointSaveError (after removing the temporary directory) if this save or the
+        previous asynchronous one failed."""
+        self.check_saved()
+        record = {**meta, "step": int(step), "checksums": leaf_checksums(state)}
+        try:
+            self.manager.save(step, args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state),
+                data=grain.checkpoint.CheckpointSave(data_iter),
+                meta=ocp.args.JsonSave(record)), force=True)
+        except Exception as e:  # noqa: BLE001 - disk full, permissions...: reported as one line by the caller
+            self._failed(step, e)
+        self._pending = step
 
-    def restore(self, step: int, target: dict, data_iter: grain.DatasetIterator | None = None) -> dict:
-        """Restores the train state into ``target`` (a tree of ``jax.ShapeDtypeStruct`` with shardings: arrays come
-        back already placed, resharded if the mesh changed) and, if given, the data iterator in place."""
+    def check_saved(self) -> None:
+        """Raise CheckpointSaveError if the last asynchronous save failed in its background thread."""
+        if self._pending is None:
+            return
+        try:
+            self.manager.check_for_errors()
+        except Exception as e:  # noqa: BLE001
+            self._failed(self._pending, e)
+
+    def wait(self) -> None:
+        """Blocks until a pending async save is on disk (and renamed into place); raises CheckpointSaveError."""
+        try:
+            self.manager.wait_until_finished()
+        except Exception as e:  # noqa: BLE001
+            self._failed(self._pending if self._pending is not None else -1, e)
+        self._pending = None
+
+    def _failed(self, step: int, e: BaseException) -> None:
+        self._pending = None
+        self.remove_temporaries()
+        good = [s for s in self._completed_steps() if s != step]
+        raise CheckpointSaveError(
+            f"saving checkpoint step {step} to {self.directory} failed: {_first_line(e)}; the run stopped, the "
+            f"last good checkpoint is {'step ' + str(max(good)) if good else 'none'}") from e
+
+    def _completed_steps(self) -> list[int]:
+        try:
+            return [int(d) for d in os.listdir(self.directory) if d.isdigit()]
+        except OSError:
+            return []
+
+    def remove_temporaries(self) -> None:
+        """Remove the temporary directories of unfinished saves (never a completed step)."""
+        try:
+            names = os.listdir(self.directory)
+        except OSError:
+            return
+        for name in names:
+            if _TMP_MARK in name:
+                shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+
+    # -- restoring ---------------------------------------------------------------------------------------------
+    def restore(self, step: int, target: dict, data_iter: grain.DatasetIterator | None = None) -> tuple[dict, dict]:
+        """``(state, meta)`` of checkpoint ``step``: the state restored into ``target`` (a tree of
+        ``jax.ShapeDtypeStruct`` with shardings: arrays come back already placed, resharded if the mesh changed)
+        and verified against its stored checksums; if given, the data iterator is restored in place.
+        Raises DamagedCheckpoint."""
+        meta = self.read_meta(step)
         args = {"state": ocp.args.StandardRestore(target)}
         if data_iter is not None:
             args["data"] = grain.checkpoint.CheckpointRestore(data_iter)
-        out = self.manager.restore(step, args=ocp.args.Composite(**args))
-        return out["state"]
+        try:
+            state = self.manager.restore(step, args=ocp.args.Composite(**args))["state"]
+        except Exception as e:  # noqa: BLE001 - truncated / missing files surface as many exception types
+            raise DamagedCheckpoint(f"its arrays cannot be read ({_first_line(e)})") from e
+        got = leaf_checksums(state)
+        bad = sorted(k for k in meta["checksums"] if got.get(k) != meta["checksums"][k])
+        missing = sorted(set(got) - set(meta["checksums"]))
+        if bad or missing:
+            names = bad or missing
+            raise DamagedCheckpoint(f"{len(names)} array(s) differ from their saved checksums, e.g. {names[0]}")
+        return state, meta
+
+    def restore_newest_intact(self, target: dict, data_iter: grain.DatasetIterator | None = None,
+                              on_damaged: Callable[[int, str], None] | None = None
+                              ) -> tuple[int, dict, dict] | None:
+        """``(step, state, meta)`` of the newest checkpoint that restores and verifies, or None when there is no
+        checkpoint at all. Each damaged newer step is reported with a one-line warning on stderr and passed to
+        ``on_damaged(step, reason)``. Raises UserError when every checkpoint is damaged."""
+        steps = self.all_steps()
+        reasons = []
+        for step in reversed(steps):
+            try:
+                state, meta = self.restore(step, target, data_iter)
+            except DamagedCheckpoint as e:
+                reasons.append(f"step {step}: {e}")
+                older = [s for s in steps if s < step]
+                if jax.process_index() == 0:
+                    print(f"warning: checkpoint step {step} in {self.directory} is damaged ({e}); "
+                          f"{'trying step ' + str(max(older)) if older else 'no older checkpoint'}",
+                          file=sys.stderr, flush=True)
+                if on_damaged is not None:
+                    on_damaged(step, str(e))
+                continue
+            return step, state, meta
+        if reasons:
+            raise UserError(f"no intact checkpoint in {self.directory} ({'; '.join(reasons)}); restore the files "
+                            f"or start a new run in another --workdir")
+        return None
 
     def drop_unverified(self, step: int) -> int | None:
         """After a non-finite loss at ``step + 1``: the params saved at ``step`` produced it (a loss is computed
@@ -99,10 +272,6 @@ class Checkpointer:
             self.manager.delete(step)
             steps.remove(step)
         return max(steps) if steps else None
-
-    def wait(self) -> None:
-        """Blocks until a pending async save is on disk (and renamed into place)."""
-        self.manager.wait_until_finished()
 
     def reached_preemption(self, step: int) -> bool:
         """True when the multi-host preemption service (jax.distributed) signalled a preemption at ``step``."""

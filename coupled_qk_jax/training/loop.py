@@ -13,7 +13,12 @@ exactly as the single run with that seed, and the step is ``jax.vmap``-ed over i
 checkpoint holding every seed). The seed axis is replicated over the mesh; each seed's batch and params are split
 over the mesh exactly as a single run's (docs/experiments.md). A single run (S = 1) has no seed axis.
 
-Public entry points: :func:`train` (used by train.py and the main job) and :func:`evaluate_checkpoint` (eval.py).
+The run directory (training/rundir.py) is the source of truth: a first start records the resolved config, the data
+fingerprint, the tokenizer and the held-out splits in it; every later start checks the config and the data against
+them before anything is tokenised or trained, and evaluation needs nothing but the run directory.
+
+Public entry points: :func:`train` (used by train.py and the main job), :func:`evaluate_run` (eval.py) and
+:func:`restore_latest` (diagnostics, export).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import json
 import math
 import os
 import signal
+import sys
 import time
 from typing import Any
 
@@ -38,12 +44,14 @@ from jax.sharding import PartitionSpec as P
 from coupled_qk_jax import sharding as shd
 from coupled_qk_jax.config import ModelConfig
 from coupled_qk_jax.data.corpora import CorpusSpec
-from coupled_qk_jax.data.token_cache import TokenCache, build_token_cache
+from coupled_qk_jax.data.pipeline import train_stream_spec
+from coupled_qk_jax.data.token_cache import (
+    TokenCache, build_token_cache, data_fingerprint, find_token_cache, source_contents, tokenizer_sha256)
 from coupled_qk_jax.errors import UserError
 from coupled_qk_jax.model import TransformerLM
 from coupled_qk_jax.training import observe
 from coupled_qk_jax.training import optimizer as opt_lib
-from coupled_qk_jax.training import tasks
+from coupled_qk_jax.training import rundir, tasks
 from coupled_qk_jax.training.checkpoint import Checkpointer, abstract_target
 from coupled_qk_jax.training.steps import init_train_state, make_train_step, split_model
 from coupled_qk_jax.reporting import mean_std
@@ -147,31 +155,59 @@ def seeds_of(cfg: ml_collections.ConfigDict) -> list[int]:
     return [int(cfg.train.seed) + i for i in range(n)]
 
 
-def load_data(cfg: ml_collections.ConfigDict, mcfg: ModelConfig) -> TokenCache:
-    """Tokenise the corpus once into the cache (or reuse it) and check its vocabulary against the model's."""
-    cache = build_token_cache(
-        corpus_spec(cfg.data), os.path.expanduser(str(cfg.data.cache_dir)), tokenizer=str(cfg.data.tokenizer),
-        vocab_size=mcfg.vocab_size, tokenizer_path=str(cfg.data.tokenizer_path) or None)
+def load_data(cfg: ml_collections.ConfigDict, mcfg: ModelConfig, *, run_tokenizer: str | None = None,
+              tokenizer_sha: str | None = None) -> TokenCache:
+    """Tokenise the corpus once into the cache (or reuse it) and check its vocabulary against the model's.
+
+    On a resume (``tokenizer_sha``, the run's recorded tokenizer hash) the cache entry of these settings is reused
+    only if it holds the run's tokenizer; otherwise the corpus is tokenised with the run's own copy
+    (``run_tokenizer``), so a BPE is never silently retrained under a run."""
+    spec, cache_dir = corpus_spec(cfg.data), os.path.expanduser(str(cfg.data.cache_dir))
+    kwargs: dict[str, Any] = dict(tokenizer=str(cfg.data.tokenizer), vocab_size=mcfg.vocab_size,
+                                  tokenizer_path=str(cfg.data.tokenizer_path) or None)
+    cache = None
+    if tokenizer_sha is not None:
+        cache = find_token_cache(spec, cache_dir, **kwargs)
+        if cache is not None and tokenizer_sha256(cache) != tokenizer_sha:
+            cache = None
+        if cache is None and run_tokenizer is not None:
+            kwargs["tokenizer_path"] = run_tokenizer
+    if cache is None:
+        cache = build_token_cache(spec, cache_dir, **kwargs)
     if cache.vocab_size > mcfg.vocab_size:  # smaller is fine: the model's extra ids are padding, never in the data
         raise UserError(f"vocab mismatch: the token cache {cache.directory.name} has vocab {cache.vocab_size}, "
                         f"more than model.vocab_size {mcfg.vocab_size}")
     return cache
 
 
-def check_compatible(saved: dict[str, Any], cfg: ml_collections.ConfigDict, workdir: str, step: int) -> None:
-    """Refuse a config whose model or seeds differ from the checkpoint's: resuming would silently mix two runs."""
-    old, new = dict(saved.get("model", {})), cfg.model.to_dict()
-    diffs = [f"model.{k}: checkpoint {old.get(k)!r} vs config {new.get(k)!r}"
-             for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
-    old_train = dict(saved.get("train", {}))
-    for k, default in (("seed", 0), ("num_seeds", 1)):
-        if int(old_train.get(k, default)) != int(cfg.train.get(k, default)):
-            diffs.append(f"train.{k}: checkpoint {old_train.get(k, default)!r} vs config {cfg.train.get(k, default)!r}")
-    if str(saved.get("task", "lm")) != tasks.task_name(cfg):
-        diffs.append(f"task: checkpoint {saved.get('task', 'lm')!r} vs config {tasks.task_name(cfg)!r}")
-    if diffs:
-        raise UserError(f"workdir {workdir} holds a checkpoint (step {step}) of a different model or seeds "
-                         f"({'; '.join(diffs[:3])}{'; ...' if len(diffs) > 3 else ''}); use a new --workdir")
+def prepare_data(cfg: ml_collections.ConfigDict, mcfg: ModelConfig, workdir: str,
+                 allow_change: tuple[str, ...] = ()) -> tuple[TokenCache | None, dict[str, Any], dict[str, Any]]:
+    """The run directory's checks, before anything is trained: ``(cache, data fingerprint, allowed changes)``.
+
+    A first start records the data (fingerprint, tokenizer, held-out splits) in the run directory. A resume refuses
+    a config that differs from config.json (rundir.resume_changes) before reading the corpus, refuses corpus files
+    that differ from data.json before tokenising them, and refuses any other data difference (tokenizer, token
+    counts and hashes) after."""
+    saved_cfg = rundir.run_config(workdir)
+    changes = rundir.resume_changes(saved_cfg, cfg.to_dict(), allow_change, workdir) if saved_cfg else {}
+    saved = rundir.read_json(os.path.join(workdir, rundir.DATA))
+    if tasks.task_name(cfg) != "lm":  # generated data (MQAR): fixed by the config, which is checked above
+        fingerprint = {"task": tasks.task_name(cfg)}
+        if saved is None and jax.process_index() == 0:
+            rundir.write_json(os.path.join(workdir, rundir.DATA), fingerprint)
+        return None, fingerprint, changes
+    spec = corpus_spec(cfg.data)
+    sources = source_contents(spec)
+    if saved is not None:
+        rundir.refuse_other_data(workdir, rundir.source_differences(saved["sources"], sources))
+    cache = load_data(cfg, mcfg, run_tokenizer=rundir.run_tokenizer_path(workdir),
+                      tokenizer_sha=saved["tokenizer"]["sha256"] if saved is not None else None)
+    fingerprint = data_fingerprint(spec, cache, sources)
+    if saved is not None:
+        rundir.refuse_other_data(workdir, rundir.fingerprint_differences(saved, fingerprint))
+    elif jax.process_index() == 0:
+        rundir.save_run_data(workdir, cache, fingerprint)
+    return cache, fingerprint, changes
 
 
 @dataclasses.dataclass
@@ -181,7 +217,7 @@ class Setup:
     cfg: ml_collections.ConfigDict
     mcfg: ModelConfig
     mesh: jax.sharding.Mesh
-    cache: TokenCache | None  # the token cache of an LM task (None for MQAR)
+    cache: Any  # an LM task's TokenCache (training) or the run directory's rundir.RunData (evaluation); None for MQAR
     task: Any  # tasks.LMTask | tasks.MQARTask: the data source and the evaluator
     seeds: list[int]  # one per replica; a leading seed axis on every state leaf when len(seeds) > 1
     graphdef: Any
@@ -190,7 +226,7 @@ class Setup:
     shardings: dict  # NamedShardings of the train state
     n_params: int
     checkpointer: Checkpointer
-    latest: int | None  # latest completed checkpoint step in the workdir
+    latest: int | None = None  # the restored checkpoint's step (set by whoever restores)
     param_transform: Any = None  # params -> params at the start of each step (the FSDP weight all-gather)
 
     def init_state(self) -> dict:
@@ -206,38 +242,25 @@ class Setup:
         return jax.jit(init, out_shardings=self.shardings)()
 
 
-def setup(cfg: ml_collections.ConfigDict, workdir: str) -> Setup:
-    observe.enable_compilation_cache()  # before the first compile: reuse the programs of earlier runs
+def check_config(cfg: ml_collections.ConfigDict) -> tuple[jax.sharding.Mesh, ModelConfig]:
+    """The mesh and the validated model config; every config mistake found here is a UserError."""
     try:
         shd.mesh_shape(cfg.mesh)  # the mesh block's own checks (sizes, -1) are the user's config mistakes
     except ValueError as e:
         raise UserError(str(e)) from None
     mesh = shd.make_mesh(cfg.mesh)
-    mcfg = validate(cfg, mesh.shape["data"] * mesh.shape["fsdp"])
-    ck = cfg.checkpoint
-    checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), int(ck.keep_last), int(ck.keep_every),
-                                bool(ck.async_save))
-    try:
-        return _setup_rest(cfg, mcfg, mesh, checkpointer, workdir)
-    except BaseException:
-        checkpointer.close()  # else orbax's background threads die noisily at interpreter exit
-        raise
+    return mesh, validate(cfg, mesh.shape["data"] * mesh.shape["fsdp"])
 
 
-def _setup_rest(cfg: ml_collections.ConfigDict, mcfg: ModelConfig, mesh: jax.sharding.Mesh,
-                checkpointer: Checkpointer, workdir: str) -> Setup:
-    latest = checkpointer.latest_step()
-    if latest is not None:  # before the (possibly slow) tokenisation: refuse early
-        check_compatible(checkpointer.saved_config(latest), cfg, workdir, latest)
+def setup(cfg: ml_collections.ConfigDict, workdir: str, cache: Any = None, *, read_only: bool = False) -> Setup:
+    """Task, abstract model, optimiser, shardings and the checkpoint manager of ``workdir``. ``cache`` is an LM
+    run's TokenCache or RunData (default: :func:`load_data`, for benchmarks); ``read_only`` for evaluation."""
+    observe.enable_compilation_cache()  # before the first compile: reuse the programs of earlier runs
+    mesh, mcfg = check_config(cfg)
     batch_devices = mesh.shape["data"] * mesh.shape["fsdp"]
-    cache = None
     if tasks.task_name(cfg) == "lm":
-        cache = load_data(cfg, mcfg)
+        cache = cache if cache is not None else load_data(cfg, mcfg)
         task = tasks.LMTask(cfg, cache)
-        skipped = task.summary()["skipped_non_utf8"]
-        if skipped and jax.process_index() == 0:
-            print(f"warning: skipped {skipped} non-UTF-8 file(s) in {cfg.data.corpus} (see the token cache "
-                  f"manifest)", flush=True)
     else:
         task = tasks.MQARTask(cfg, mcfg, batch_devices)
     task.validate(batch_devices)
@@ -254,8 +277,11 @@ def _setup_rest(cfg: ml_collections.ConfigDict, mcfg: ModelConfig, mesh: jax.sha
         shardings = jax.tree.map(lambda sh: NamedSharding(mesh, P(None, *sh.spec)), shardings)
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(abstract_params))
     gather = shd.fsdp_gather(abstract_model, mesh)  # identity unless mesh.fsdp > 1
+    ck = cfg.checkpoint
+    checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), int(ck.keep_last), int(ck.keep_every),
+                                bool(ck.async_save), read_only=read_only)
     return Setup(cfg, mcfg, mesh, cache, task, seeds, graphdef, abstract_state, tx, shardings, n_params,
-                 checkpointer, latest, gather)
+                 checkpointer, param_transform=gather)
 
 
 def make_sharded_train_step(s: Setup):
@@ -320,6 +346,21 @@ def make_data_iterator(s: Setup) -> grain.DatasetIterator:
     return iter(ds.to_iter_dataset(read))
 
 
+def stream_spec(s: Setup) -> dict[str, Any]:
+    """What fixes this host's training batch stream besides its position, saved beside the iterator state: a
+    restore into a stream with another spec is refused (the saved position would index other batches)."""
+    cfg = s.cfg
+    slice_index, slice_count = shd.process_batch_slice(s.mesh, int(cfg.train.batch_size))
+    per_host = int(cfg.train.batch_size) // slice_count
+    if s.task.name == "lm":
+        spec = train_stream_spec(s.cache.tokens("train"), int(cfg.data.seq_len), per_host, s.seeds[0], slice_index,
+                                 slice_count, bos_id=s.cache.eot_id)
+    else:
+        spec = {"batches_per_epoch": len(s.task.train), "batch_size_per_host": per_host,
+                "process_index": slice_index, "process_count": slice_count}
+    return {"task": s.task.name, **spec, "seed": list(s.seeds)}
+
+
 def per_seed(metrics: dict[str, Any], num_seeds: int) -> dict[str, Any]:
     """Per-seed arrays [S] -> the metrics.jsonl / summary form: ``name`` = the mean over seeds (the value itself for
     a single run) and, with several seeds, ``name/seeds`` = the list in seed order. Other values pass through."""
@@ -348,36 +389,89 @@ def _summary_base(s: Setup, workdir: str) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def train(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True,
-          return_state: bool = False) -> dict[str, Any] | tuple[dict[str, Any], dict]:
+def train(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True, return_state: bool = False,
+          allow_change: tuple[str, ...] = ()) -> dict[str, Any] | tuple[dict[str, Any], dict]:
     """Train (or resume) the run in ``workdir`` up to ``train.steps`` (or ``train.stop_after``); returns the summary.
 
-    Raises UserError (bad config / data / incompatible checkpoint) or NonFiniteLossError. Returns early, after a
-    checkpoint, when SIGINT or SIGTERM was received (``summary["status"] == "interrupted"``, ``summary["signal"]``).
-    With ``return_state`` it returns ``(summary, state)``, the final train state as numpy arrays (for tests; leading
-    seed axis when num_seeds > 1).
+    ``allow_change`` names the :data:`rundir.CHANGEABLE_FIELDS` that may differ from the run's config on resume.
+    Raises UserError (bad config / data, a run mismatch, the workdir in use, no intact checkpoint),
+    NonFiniteLossError or CheckpointSaveError. Returns early, after a checkpoint, when SIGINT or SIGTERM was received
+    (``summary["status"] == "interrupted"``, ``summary["signal"]``). With ``return_state`` it returns
+    ``(summary, state)``, the final train state as numpy arrays (for tests).
     """
     t_start = time.time()
     workdir = os.path.abspath(workdir)
-    os.makedirs(workdir, exist_ok=True)
-    s = setup(cfg, workdir)
     main = jax.process_index() == 0
+    try:
+        os.makedirs(workdir, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"cannot create workdir {workdir}: {e.strerror or e}") from None
+    lock = rundir.WorkdirLock(workdir) if main else None
+    try:
+        return _train_locked(cfg, workdir, progress, return_state, tuple(allow_change), t_start)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _restore_or_init(s: Setup, data_iter: Any, cfg: ml_collections.ConfigDict, workdir: str,
+                     fingerprint: dict[str, Any], stream: dict[str, Any]) -> tuple[dict, dict[str, Any]]:
+    """(state, meta of the restored checkpoint or {}). The newest intact checkpoint is used; newer damaged ones are
+    moved to WORKDIR/damaged_checkpoints (named in a warning), never deleted."""
+    damaged: list[int] = []
+    found = s.checkpointer.restore_newest_intact(abstract_target(s.abstract_state, s.shardings), data_iter,
+                                                 on_damaged=lambda step, _: damaged.append(step))
+    if damaged:  # out of the manager's sight, or the resumed run would save into the damaged step's name
+        s.checkpointer.close()
+        if jax.process_index() == 0:
+            for step in damaged:
+                dest = rundir.move_damaged(s.checkpointer.directory, step)
+                print(f"warning: moved the damaged checkpoint step {step} to {dest}", file=sys.stderr, flush=True)
+        ck = cfg.checkpoint
+        s.checkpointer = Checkpointer(s.checkpointer.directory, int(ck.keep_last), int(ck.keep_every),
+                                      bool(ck.async_save))
+    if found is None:
+        return s.init_state(), {}
+    step, state, meta = found
+    # The checkpoint carries its own config, data fingerprint and stream spec: refuse one from another run.
+    rundir.resume_changes(meta["config"], cfg.to_dict(), rundir.CHANGEABLE_FIELDS, workdir)
+    rundir.refuse_other_data(workdir, rundir.fingerprint_differences(meta["data_fingerprint"], fingerprint))
+    saved_stream = meta.get("data_stream", {})
+    if saved_stream != stream:
+        diffs = rundir.config_differences(saved_stream, stream)
+        raise UserError(f"checkpoint step {step} in {s.checkpointer.directory} holds a data iterator of another "
+                        f"stream ({'; '.join(f'{k}: checkpoint {a!r}, now {b!r}' for k, (a, b) in diffs.items())})")
+    s.latest = step
+    if jax.process_index() == 0:
+        print(f"resuming from {s.checkpointer.directory} at step {step}", flush=True)
+    return state, meta
+
+
+def _train_locked(cfg: ml_collections.ConfigDict, workdir: str, progress: bool, return_state: bool,
+                  allow_change: tuple[str, ...], t_start: float) -> dict[str, Any] | tuple[dict[str, Any], dict]:
+    main = jax.process_index() == 0
+    _, mcfg = check_config(cfg)  # config mistakes first, before the corpus is read
+    cache, fingerprint, changes = prepare_data(cfg, mcfg, workdir, allow_change)
+    s = setup(cfg, workdir, cache)
+    if s.task.name == "lm" and main and s.task.summary()["skipped_non_utf8"]:
+        print(f"warning: skipped {s.task.summary()['skipped_non_utf8']} non-UTF-8 file(s) in {cfg.data.corpus} "
+              f"(see the token cache manifest)", flush=True)
     n_seeds = len(s.seeds)
     steps = int(cfg.train.steps)
     stop_at = min(steps, int(cfg.train.get("stop_after", 0)) or steps)
     tokens_per_step = int(cfg.train.batch_size) * int(cfg.data.seq_len)  # per seed
-    config_json = cfg.to_dict()
+    config_json = rundir.jsonable(cfg.to_dict())
 
     try:
         # Data: this host's slice of one seeded stream of batches per seed.
         data_iter = make_data_iterator(s)
+        stream = stream_spec(s)
         # State: restored (arrays land directly in their shardings, the iterator at its saved position) or fresh.
-        if s.latest is not None:
-            state = s.checkpointer.restore(s.latest, abstract_target(s.abstract_state, s.shardings), data_iter)
-            if main:
-                print(f"resuming from {s.checkpointer.directory} at step {s.latest}", flush=True)
-        else:
-            state = s.init_state()
+        state, meta = _restore_or_init(s, data_iter, cfg, workdir, fingerprint, stream)
+        if main:
+            rundir.write_json(os.path.join(workdir, rundir.CONFIG), config_json)
+            rundir.record_history(workdir, "resume" if s.latest is not None else "start", step=s.latest or 0,
+                                  changes={k: {"run": a, "now": b} for k, (a, b) in changes.items()})
     except BaseException:
         s.checkpointer.close()
         raise
@@ -402,7 +496,11 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True
 
     def save(at: int) -> None:
         nonlocal last_saved, t_saved
-        s.checkpointer.save(at, state, data_iter, config_json)
+        # The open train-loss window travels with the checkpoint, so a resumed run logs the losses of an
+        # uninterrupted one.
+        s.checkpointer.save(at, state, data_iter, {
+            "config": config_json, "data_fingerprint": fingerprint, "data_stream": stream,
+            "train_window": {"loss_sum": [float(x) for x in window_loss], "steps": window_n}})
         last_saved, t_saved = at, time.monotonic()
 
     every_seconds = float(cfg.checkpoint.get("every_seconds", 0))
@@ -424,7 +522,9 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True
 
     bar = tqdm(total=stop_at, initial=step, disable=not (progress and main), dynamic_ncols=True, unit="step")
     log_every, eval_every, ckpt_every = int(cfg.train.log_every), int(cfg.train.eval_every), int(cfg.checkpoint.every)
-    window_loss, window_n = np.zeros(n_seeds), 0
+    saved_window = meta.get("train_window", {})
+    window_loss = np.asarray(saved_window.get("loss_sum", np.zeros(n_seeds)), np.float64).reshape(n_seeds)
+    window_n = int(saved_window.get("steps", 0))
     # The device metrics of the steps since the last host sync. The loop waits for the device only in sync(): at
     # log, evaluation and checkpoint steps (and at least every 100 steps), not at every step.
     pending: list[dict[str, Any]] = []
@@ -477,13 +577,14 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True
             profiler.after_step(metrics)
             step += 1
             pending.append(metrics)
-            log_now = bool(log_every) and (step % log_every == 0 or step == stop_at)
+            log_now = bool(log_every) and (step % log_every == 0 or step == steps)
             # One process: our SIGINT/SIGTERM flag. Several: orbax's preemption sync (jax.distributed's SIGTERM
             # notice), which makes every process stop at the same step, so their collective save cannot deadlock.
             stop_requested = (bool(_STOP_SIGNAL) if jax.process_count() == 1
                               else s.checkpointer.reached_preemption(step))
+            s.checkpointer.check_saved()  # a failed background save stops the run now, not at the end
             save_now = step % ckpt_every == 0 or step == stop_at or stop_requested or save_due(time.monotonic())
-            eval_now = bool(eval_every) and step % eval_every == 0 and step < stop_at
+            eval_now = bool(eval_every) and step % eval_every == 0 and step < steps
             if t_first is None or log_now or save_now or eval_now or len(pending) >= (log_every or 100):
                 sync()
             now = time.perf_counter()
@@ -525,13 +626,16 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True
             train_loss = window_loss / window_n if window_n else train_loss
         if status != "interrupted":
             val = validate_now(whole=True)
-            writer.write(step, per_seed(val, n_seeds))
+            if status == "completed":  # a stopped run continues later: its log must read as one uninterrupted run
+                writer.write(step, per_seed(val, n_seeds))
     finally:
         profiler.stop()
         bar.close()
-        s.checkpointer.wait()  # a pending async save must land before we report (or exit)
-        writer.close()
-        s.checkpointer.close()
+        try:
+            s.checkpointer.wait()  # a pending async save must land (or fail loudly) before we report or exit
+        finally:
+            writer.close()
+            s.checkpointer.close()
     train_time = (time.perf_counter() - t_first - eval_seconds) if t_first is not None else 0.0
     interrupted = {"signal": signal.Signals(_STOP_SIGNAL[0]).name, "signal_number": _STOP_SIGNAL[0]} \
         if status == "interrupted" and _STOP_SIGNAL else {}
@@ -548,6 +652,8 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True
                "tokens_per_second": (steps_timed * tokens_per_step * n_seeds / train_time) if steps_timed else None}
     if main:
         write_json_atomic(os.path.join(workdir, "summary.json"), summary)
+        rundir.record_history(workdir, "end", status=status, step=step, checkpoint_step=last_saved,
+                              **({"signal": interrupted["signal"]} if interrupted else {}))
     return (summary, host_params(state)) if return_state else summary
 
 
@@ -566,66 +672,57 @@ def summary_metrics(metrics: dict[str, Any], num_seeds: int) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def restore_latest(cfg: ml_collections.ConfigDict, workdir: str) -> tuple[Setup, dict]:
-    """Set up ``workdir``'s run and restore its latest completed train state into the mesh's shardings (no data
-    iterator: for evaluation and diagnostics). The checkpoint manager is closed before returning."""
-    s = setup(cfg, workdir)
+def saved_run_config(workdir: str, cfg: ml_collections.ConfigDict | None = None) -> ml_collections.ConfigDict:
+    """The run's config, WORKDIR/config.json. An explicit ``cfg`` is returned only when it agrees with the run
+    (runtime fields such as the mesh aside); otherwise a UserError names every differing field."""
+    workdir = os.path.abspath(workdir)
+    saved = rundir.run_config(workdir)
+    if saved is None:
+        raise UserError(f"{workdir} is not a run directory (no {rundir.CONFIG}): train first, "
+                        f"python train.py --config=... --workdir={workdir}")
+    if cfg is not None:
+        rundir.check_eval_config(saved, cfg.to_dict(), workdir)
+        return cfg
+    return ml_collections.ConfigDict(saved)
+
+
+def restore_latest(cfg: ml_collections.ConfigDict | None, workdir: str) -> tuple[Setup, dict]:
+    """Set up ``workdir``'s run from the run directory alone (its config, tokenizer and held-out splits: no corpus,
+    no token cache) and restore its newest intact train state into the mesh's shardings (no data iterator: for
+    evaluation, diagnostics and export). ``cfg`` may be None (the run's own) or must agree with the run. Nothing
+    in ``workdir`` is written; the checkpoint manager is closed before returning."""
+    workdir = os.path.abspath(workdir)
+    cfg = saved_run_config(workdir, cfg)
+    data = rundir.RunData(workdir) if tasks.task_name(cfg) == "lm" else None
+    s = setup(cfg, workdir, data, read_only=True)
     try:
-        if s.latest is None:
+        found = s.checkpointer.restore_newest_intact(abstract_target(s.abstract_state, s.shardings))
+        if found is None:
             raise UserError(f"no completed checkpoint in {s.checkpointer.directory}: train first")
-        state = s.checkpointer.restore(s.latest, abstract_target(s.abstract_state, s.shardings))
+        s.latest, state, _ = found
     finally:
         s.checkpointer.close()
     return s, state
 
 
-def evaluate_checkpoint(cfg: ml_collections.ConfigDict, workdir: str, split: str = "validation") -> dict[str, Any]:
-    """Evaluate the latest checkpoint in ``workdir`` on a whole split; updates summary.json and metrics.jsonl."""
-    if split not in ("validation", "test"):
+def evaluate_run(workdir: str, split: str = "validation",
+                 cfg: ml_collections.ConfigDict | None = None) -> dict[str, Any]:
+    """Score the newest intact checkpoint of ``workdir`` on a whole held-out split (every token once). Writes
+    nothing: the caller prints the result, then stores it (rundir.write_eval_result), never over summary.json.
+    LM keys: ``loss``, ``ppl``, ``tokens`` (``name/seeds``, ``name/std`` with several seeds); MQAR: its metrics."""
+    if split not in rundir.HELD_OUT_SPLITS:
         raise UserError(f"--split must be 'validation' or 'test', got {split!r}")
     t_start = time.time()
-    workdir = os.path.abspath(workdir)
-    if not os.path.isdir(os.path.join(workdir, "checkpoints")):
-        raise UserError(f"no checkpoint in {workdir}: train first (python train.py --workdir={workdir} ...)")
     s, state = restore_latest(cfg, workdir)
     result = make_evaluator(s)(state["params"], split=split)
-    n_seeds = len(s.seeds)
-    # LM: val_* / test_* fields; MQAR has one held-out set, reported under its own names for either split.
-    renamed = {(f"{'val' if split == 'validation' else 'test'}_{k[4:]}" if k.startswith("val_") else k): v
-               for k, v in result.items()}
+    metrics = {(k[4:] if k.startswith("val_") else k): v for k, v in result.items()}
     step = int(np.asarray(state["step"]).reshape(-1)[0])
-    path = os.path.join(workdir, "summary.json")
-    previous: dict[str, Any] = {}
-    if os.path.exists(path):
-        with open(path, encoding="utf-8") as f:
-            previous = json.load(f)
-    summary = {"train_loss": None, "val_loss": None, "val_ppl": None, "tokens_per_second": None, **previous,
-               **_summary_base(s, workdir), "step": step,
-               "tokens_seen": step * int(cfg.train.batch_size) * int(cfg.data.seq_len),
-               **summary_metrics(renamed, n_seeds),
-               "checkpoint_step": s.latest, "eval_wall_seconds": round(time.time() - t_start, 3)}
-    summary.setdefault("wall_seconds", summary["eval_wall_seconds"])
-    if jax.process_index() == 0:
-        writer = MetricsWriter(workdir, seeds=s.seeds)
-        writer.write(step, per_seed(renamed, n_seeds), prefix="eval_")
-        writer.close()
-        write_json_atomic(path, summary)
-    return summary
-
-
-def saved_run_config(workdir: str) -> ml_collections.ConfigDict:
-    """The config stored with the latest checkpoint in ``workdir`` (what eval.py uses without --config)."""
-    directory = os.path.join(os.path.abspath(workdir), "checkpoints")
-    if not os.path.isdir(directory):
-        raise UserError(f"no checkpoint in {os.path.abspath(workdir)}: train first, or pass --config")
-    ck = Checkpointer(directory)
-    try:
-        step = ck.latest_step()
-        if step is None:
-            raise UserError(f"no completed checkpoint in {directory}")
-        return ml_collections.ConfigDict(ck.saved_config(step))
-    finally:
-        ck.close()
+    return {"split": split, "step": step, **summary_metrics(metrics, len(s.seeds)), "task": s.task.name,
+            "variant": s.mcfg.variant, "n_params": s.n_params, "seeds": list(s.seeds),
+            "seq_len": int(s.cfg.data.seq_len),
+            "tokens_seen": step * int(s.cfg.train.batch_size) * int(s.cfg.data.seq_len),
+            "workdir": os.path.abspath(workdir), "devices": jax.device_count(),
+            "wall_seconds": round(time.time() - t_start, 3)}
 
 
 def host_params(state_or_params: Any) -> Any:

@@ -11,7 +11,8 @@ A task gives the loop (``training/loop.py``) exactly two things:
 
 Tasks:
 
-* :class:`LMTask` (``task = "lm"``): random windows of a token cache (``data.pipeline``), each seed its own order
+* :class:`LMTask` (``task = "lm"``): shuffled windows of a token cache, every token a target once per epoch
+  (``data.pipeline``), each seed its own order
   (``seed`` = the model seed, as in a single run); validation loss and perplexity over every token of a split.
 * :class:`MQARTask` (``task = "mqar"``, ``configs/mqar.py``): zoology's fixed batch order (the same for every seed:
   in zoology the seed only changes the initialisation), accuracy per segment on the labelled positions only
@@ -120,7 +121,7 @@ class LMTask:
     def train_dataset(self, seed: int, slice_index: int, slice_count: int) -> grain.MapDataset:
         per_host = int(self.cfg.train.batch_size) // slice_count
         return train_batches(self.cache.tokens("train"), int(self.cfg.data.seq_len), per_host, seed, slice_index,
-                             slice_count)
+                             slice_count, bos_id=self.cache.eot_id)
 
     def make_evaluator(self, graphdef: nnx.GraphDef, params_shardings: Any, mesh: Mesh,
                        param_transform: Callable | None, num_seeds: int) -> Evaluator:

@@ -5,9 +5,12 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from typing import Any
 
 import jax
+
+from coupled_qk_jax.errors import UserError
 
 
 def _jsonable(value: Any) -> Any:
@@ -29,19 +32,38 @@ def write_json_atomic(path: str, obj: dict[str, Any]) -> None:
 
 
 def read_metrics(workdir: str) -> list[dict[str, Any]]:
-    """All lines of WORKDIR/metrics.jsonl (an empty list if there is none)."""
+    """All lines of WORKDIR/metrics.jsonl (an empty list if there is none).
+
+    A torn last line (a process killed while appending it) is dropped with a one-line warning; a damaged line
+    anywhere else is a UserError naming the file and line."""
     path = os.path.join(workdir, "metrics.jsonl")
     if not os.path.exists(path):
         return []
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    with open(path, encoding="utf-8", errors="replace") as f:
+        lines = [line for line in f.read().split("\n")]
+    rows: list[dict[str, Any]] = []
+    last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i == last:
+                if jax.process_index() == 0:
+                    print(f"warning: dropped the torn last line of {path} (a process was killed while writing it)",
+                          file=sys.stderr, flush=True)
+                continue
+            raise UserError(f"{path} line {i + 1} is not valid JSON; fix or remove that line") from None
+    return rows
 
 
 class MetricsWriter:
     """Appends one JSON line per logging step to WORKDIR/metrics.jsonl and mirrors scalars to TensorBoard.
 
-    ``resume_step``: lines logged after this step by an earlier, killed process are dropped first, so after a
-    resume the file reads as if the run had never been interrupted.
+    ``resume_step``: lines logged after this step by an earlier, killed process are dropped first (and TensorBoard
+    purges its events after it), so after a resume the file reads as if the run had never been interrupted.
+    To log more quantities, pass them to :meth:`write`: every key becomes a JSON field and a TensorBoard scalar.
 
     ``seeds``: the run's seeds. A seed-parallel run logs ``name`` (the mean over seeds) and ``name/seeds`` (the list,
     in seed order); TensorBoard gets the mean as ``name`` and each seed as ``name/seed_<seed>``.
@@ -63,7 +85,8 @@ class MetricsWriter:
         if tensorboard:
             from tensorboardX import SummaryWriter  # local: importing it is slow-ish and only process 0 needs it
 
-            self._tb = SummaryWriter(os.path.join(workdir, "tb"))
+            purge = {"purge_step": resume_step + 1} if resume_step is not None else {}
+            self._tb = SummaryWriter(os.path.join(workdir, "tb"), **purge)
 
     def write(self, step: int, metrics: dict[str, Any], prefix: str = "") -> None:
         if not self.enabled:

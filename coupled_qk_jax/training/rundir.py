@@ -1,0 +1,354 @@
+"""The run directory is the source of truth of a run: its config, tokenizer and data identity live in it, and every
+resume and evaluation checks them.
+
+Layout (``WORKDIR``; process 0 writes, every file atomically)::
+
+    config.json       the fully resolved config (every field, defaults included), rewritten at each start
+    data.json         the data fingerprint (``token_cache.data_fingerprint``): corpus spec, every file's relative
+                      path / size / SHA-256 / split, each split's token count and text and token hashes, tokenizer
+    tokenizer.json    a copy of the run's BPE tokenizer (absent for the byte tokenizer)
+    heldout/          validation.bin, test.bin: the held-out token ids, so that evaluation needs no corpus and no
+                      token cache (a run directory can be moved or copied and evaluated with --workdir alone)
+    history.jsonl     one line per start, resume (with the changes allowed by --allow_change) and end
+    lock              held (fcntl.flock) by the train.py that trains here; it contains that process's pid
+    checkpoints/      training/checkpoint.py; a damaged step is moved to damaged_checkpoints/<step>, not deleted
+    metrics.jsonl, tb/, summary.json     training/writers.py
+    eval/             eval.py's results, eval_<split>_step<step>.json (or under eval.py --out)
+
+Resume rules (:func:`resume_changes`): a field of :data:`RUNTIME_FIELDS` may differ freely (it changes no
+result); ``data.corpus`` / ``data.tokenizer_path`` may point elsewhere when the files there match the fingerprint;
+a field of :data:`CHANGEABLE_FIELDS` may differ only when named in ``--allow_change`` (recorded in history.jsonl);
+every other field (model, data, batch size, seed, optimiser, schedule shape...) must equal the run's.
+"""
+
+from __future__ import annotations
+
+import datetime
+import fcntl
+import json
+import os
+import shutil
+import socket
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from coupled_qk_jax.data.corpora import SPLITS, CorpusSpec
+from coupled_qk_jax.data.tokenizer import BPETokenizer, ByteTokenizer, Tokenizer
+from coupled_qk_jax.errors import UserError, did_you_mean
+
+CONFIG, DATA, TOKENIZER, HISTORY, LOCK, HELD_OUT = (
+    "config.json", "data.json", "tokenizer.json", "history.jsonl", "lock", "heldout")
+HELD_OUT_SPLITS = ("validation", "test")
+
+# Fields that change no result: free to differ on resume and in eval.py's --config.
+RUNTIME_FIELDS = frozenset({"data.cache_dir", "data.num_threads", "mesh.data", "mesh.fsdp", "mesh.tensor",
+                            "checkpoint.async_save", "train.stop_after"})
+# Where the data is, not what it is: checked through the data fingerprint instead of by value.
+FINGERPRINTED_FIELDS = frozenset({"data.corpus", "data.tokenizer_path"})
+# Meaningful to change on resume; each needs --allow_change=FIELD and is recorded in history.jsonl.
+CHANGEABLE_FIELDS = ("train.steps", "train.log_every", "train.eval_every", "train.eval_batches",
+                     "train.eval_batch_size", "checkpoint.every", "checkpoint.every_seconds", "checkpoint.keep_last",
+                     "checkpoint.keep_every")
+_ABSENT = "<absent>"
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Files.
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def jsonable(obj: Any) -> Any:
+    """The JSON form of a config dict (tuples become lists), as config.json stores it."""
+    return json.loads(json.dumps(obj, sort_keys=True, default=str))
+
+
+def write_json(path: str | os.PathLike[str], obj: Any) -> None:
+    """Human-readable JSON via a temporary file and os.replace (readers never see half a file)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        tmp.write_text(json.dumps(jsonable(obj), indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise UserError(f"cannot write {path}: {e.strerror or e}") from None
+
+
+def read_json(path: str | os.PathLike[str]) -> Any | None:
+    """The parsed file, None when it does not exist; a damaged file is a one-line UserError naming it."""
+    path = Path(path)
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"{path} is not valid JSON ({e}); restore it from a copy of the run") from None
+
+
+def record_history(workdir: str, event: str, **fields: Any) -> None:
+    """Append one line to WORKDIR/history.jsonl (process 0 only)."""
+    line = {"event": event, "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "host": socket.gethostname(), "pid": os.getpid(), "argv": sys.argv, **fields}
+    with open(os.path.join(workdir, HISTORY), "a", encoding="utf-8") as f:
+        f.write(json.dumps(jsonable(line), sort_keys=True) + "\n")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The lock: one training process per run directory.
+# --------------------------------------------------------------------------------------------------------------------
+
+
+class WorkdirLock:
+    """An exclusive ``fcntl.flock`` on WORKDIR/lock for as long as the process trains there. The kernel drops it
+    when the process dies (SIGKILL included), so a stale lock file never blocks a later run."""
+
+    def __init__(self, workdir: str) -> None:
+        self.path = os.path.join(workdir, LOCK)
+        try:
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise UserError(f"cannot write to workdir {workdir}: {e.strerror or e}") from None
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(self.fd, 64, 0).decode(errors="replace").strip() or "?"
+            os.close(self.fd)
+            raise UserError(f"workdir {workdir} is in use by another train.py (pid {holder}); wait for it to finish "
+                            f"or use another --workdir") from None
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, f"{os.getpid()}\n".encode(), 0)
+
+    def release(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)  # closing releases the flock
+            self.fd = -1
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Config comparison.
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def config_differences(old: dict[str, Any], new: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """``{field: (old, new)}`` of every leaf field that differs (a missing field reads as "<absent>")."""
+    a, b = flatten(jsonable(old)), flatten(jsonable(new))
+    return {k: (a.get(k, _ABSENT), b.get(k, _ABSENT)) for k in sorted(set(a) | set(b))
+            if a.get(k, _ABSENT) != b.get(k, _ABSENT)}
+
+
+def _describe(diffs: dict[str, tuple[Any, Any]], old: str, new: str) -> str:
+    return "; ".join(f"{k}: {old} {a!r}, {new} {b!r}" for k, (a, b) in diffs.items())
+
+
+def resume_changes(saved: dict[str, Any], new: dict[str, Any], allow_change: Sequence[str],
+                   workdir: str) -> dict[str, tuple[Any, Any]]:
+    """The allowed changes ``{field: (run's, new)}`` of a resume; raises UserError naming every refused field."""
+    for name in allow_change:
+        if name not in CHANGEABLE_FIELDS:
+            raise UserError(f"--allow_change={name}: not a field that may change on resume"
+                            f"{did_you_mean(name, CHANGEABLE_FIELDS)}; those are {', '.join(CHANGEABLE_FIELDS)}")
+    diffs = {k: v for k, v in config_differences(saved, new).items()
+             if k not in RUNTIME_FIELDS and k not in FINGERPRINTED_FIELDS}
+    fixed = {k: v for k, v in diffs.items() if k not in CHANGEABLE_FIELDS}
+    unallowed = {k: v for k, v in diffs.items() if k in CHANGEABLE_FIELDS and k not in allow_change}
+    if fixed or unallowed:
+        parts = []
+        if fixed:
+            parts.append(f"{_describe(fixed, 'run', 'now')}; use a new --workdir for another setting")
+        if unallowed:
+            parts.append(f"{_describe(unallowed, 'run', 'now')}; to change "
+                         f"{'it' if len(unallowed) == 1 else 'them'} pass --allow_change={','.join(unallowed)}")
+        raise UserError(f"workdir {workdir} holds a run with other settings: {'; '.join(parts)}")
+    return {k: v for k, v in diffs.items() if k in CHANGEABLE_FIELDS}
+
+
+def check_eval_config(run_cfg: dict[str, Any], given: dict[str, Any], workdir: str) -> None:
+    """eval.py --config must agree with the run (runtime fields aside); the run's own config needs no --config."""
+    diffs = {k: v for k, v in config_differences(run_cfg, given).items() if k not in RUNTIME_FIELDS}
+    if diffs:
+        raise UserError(f"--config disagrees with the run in {workdir}: {_describe(diffs, 'run', '--config')}; "
+                        f"omit --config to evaluate with the run's own config.json")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Data fingerprint comparison.
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _without_paths(spec: dict[str, Any]) -> dict[str, Any]:
+    out = {k: v for k, v in spec.items() if k != "path"}
+    out["sources"] = [[_without_paths(s), w] for s, w in spec.get("sources", [])]
+    return out
+
+
+def _file_table(sources: dict[str, Any]) -> dict[str, tuple]:
+    if sources.get("kind") == "mixture":
+        return {f"{i}/{k}": v for i, (sub, _) in enumerate(sources["sources"]) for k, v in _file_table(sub).items()}
+    if "files" in sources:
+        return {f[0]: tuple(f[1:]) for f in sources["files"]}
+    return {"<dataset>": (sources.get("name"), sources.get("config"))}
+
+
+def source_differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """What changed between two ``source_contents`` (files added, removed, changed or moved to another split)."""
+    a, b = _file_table(old), _file_table(new)
+    added, removed = sorted(set(b) - set(a)), sorted(set(a) - set(b))
+    changed = sorted(k for k in set(a) & set(b) if a[k][:2] != b[k][:2])
+    moved = sorted(k for k in set(a) & set(b) if a[k][:2] == b[k][:2] and a[k][2:] != b[k][2:])
+    out = []
+    for what, names in (("added", added), ("removed", removed), ("changed", changed), ("in another split", moved)):
+        if names:
+            out.append(f"{len(names)} file(s) {what} (e.g. {names[0]})")
+    return out
+
+
+def fingerprint_differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """Every difference between two data fingerprints except where the corpus lives."""
+    if "corpus" not in old or "corpus" not in new:  # generated data (MQAR): the task alone
+        return [] if old == new else [f"data: run {old}, now {new}"]
+    out = []
+    a, b = _without_paths(old["corpus"]), _without_paths(new["corpus"])
+    if a != b:
+        out.append(f"corpus spec: run {CorpusSpec.coerce(old['corpus'])}, now {CorpusSpec.coerce(new['corpus'])} "
+                   f"({_describe(config_differences(a, b), 'run', 'now')})")
+    out += source_differences(old["sources"], new["sources"])
+    if old["tokenizer"] != new["tokenizer"]:
+        out.append(f"tokenizer: {_describe(config_differences(old['tokenizer'], new['tokenizer']), 'run', 'now')}")
+    for split in SPLITS:
+        x, y = old["splits"][split], new["splits"][split]
+        if x != y:
+            out.append(f"{split} split: {_describe(config_differences(x, y), 'run', 'now')}")
+    return out
+
+
+def refuse_other_data(workdir: str, differences: list[str]) -> None:
+    if differences:
+        raise UserError(f"the data differs from the run in {workdir} (data.json): {'; '.join(differences)}; point "
+                        f"data.corpus at the run's corpus, or use a new --workdir")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The run's own data: tokenizer copy and held-out splits.
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def save_run_data(workdir: str, cache: Any, fingerprint: dict[str, Any]) -> None:
+    """Copy the tokenizer and the held-out splits of ``cache`` (a TokenCache) into WORKDIR, then write data.json
+    (last: its presence means the rest is complete)."""
+    info = cache.manifest["tokenizer"]
+    if info["kind"] != "byte":
+        shutil.copyfile(cache.directory / info["file"], os.path.join(workdir, TOKENIZER))
+    held = Path(workdir) / HELD_OUT
+    held.mkdir(exist_ok=True)
+    for split in HELD_OUT_SPLITS:
+        tmp = held / f".{split}.bin.tmp{os.getpid()}"
+        np.asarray(cache.tokens(split)).tofile(tmp)
+        os.replace(tmp, held / f"{split}.bin")
+    write_json(os.path.join(workdir, DATA), fingerprint)
+
+
+def run_tokenizer_path(workdir: str) -> str | None:
+    p = os.path.join(workdir, TOKENIZER)
+    return p if os.path.isfile(p) else None
+
+
+class RunData:
+    """The held-out token ids and tokenizer of a run directory: what evaluation needs, duck-typed like a TokenCache
+    (``tokens(split)``, ``eot_id``, ``vocab_size``, ``tokenizer``, ``manifest``, ``directory``)."""
+
+    def __init__(self, workdir: str) -> None:
+        self.directory = Path(workdir) / HELD_OUT
+        fp = read_json(os.path.join(workdir, DATA))
+        if fp is None:
+            raise UserError(f"{workdir} has no {DATA}: not a run directory written by train.py (or its first start "
+                            f"did not get past data preparation)")
+        self.fingerprint = fp
+        self.manifest = {"splits": {s: dict(fp["splits"][s]) for s in SPLITS}, "dtype": fp["dtype"],
+                         "tokenizer": fp["tokenizer"]}
+        info = fp["tokenizer"]
+        if info["kind"] == "byte":
+            self.tokenizer: Tokenizer = ByteTokenizer()
+        else:
+            path = run_tokenizer_path(workdir)
+            if path is None:
+                raise UserError(f"{workdir}/{TOKENIZER} is missing; copy the whole run directory")
+            from coupled_qk_jax.data.tokenizer import tokenizer_json_sha256  # noqa: PLC0415
+
+            if tokenizer_json_sha256(path) != info["sha256"]:
+                raise UserError(f"{path} differs from the tokenizer recorded in {DATA}; restore the run's copy")
+            self.tokenizer = BPETokenizer.load(path, int(info["vocab_size"]))
+        self._verified: set[str] = set()
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.fingerprint["tokenizer"]["vocab_size"])
+
+    @property
+    def eot_id(self) -> int:
+        return int(self.fingerprint["tokenizer"]["eot_id"])
+
+    def tokens(self, split: str) -> np.ndarray:
+        """[n] token ids of a held-out split, memory-mapped; its SHA-256 is checked against data.json once."""
+        if split not in HELD_OUT_SPLITS:
+            raise UserError(f"the run directory holds the {' and '.join(HELD_OUT_SPLITS)} splits, not {split!r}")
+        info = self.fingerprint["splits"][split]
+        n, dtype = int(info["tokens"]), np.dtype(self.fingerprint["dtype"])
+        path = self.directory / f"{split}.bin"
+        if not path.is_file() or path.stat().st_size != n * dtype.itemsize:
+            raise UserError(f"{path} is missing or has the wrong size ({n} tokens expected); copy the whole run "
+                            f"directory")
+        if n == 0:
+            return np.empty(0, dtype=dtype)
+        arr = np.memmap(path, dtype=dtype, mode="r", shape=(n,))
+        if split not in self._verified:
+            import hashlib  # noqa: PLC0415
+
+            if hashlib.sha256(arr.tobytes()).hexdigest() != info["tokens_sha256"]:
+                raise UserError(f"{path} is damaged (its SHA-256 differs from {DATA}); copy the run directory again")
+            self._verified.add(split)
+        return arr
+
+
+def run_config(workdir: str) -> dict[str, Any] | None:
+    """The run's config: WORKDIR/config.json (None for a directory no run has started in)."""
+    return read_json(os.path.join(workdir, CONFIG))
+
+
+def move_damaged(checkpoint_dir: str, step: int) -> str:
+    """Move a damaged checkpoint step out of the manager's sight (to WORKDIR/damaged_checkpoints/<step>[.n]); the
+    resumed run would otherwise save that step again into the same name. Returns the new path."""
+    dest_root = os.path.join(os.path.dirname(checkpoint_dir), "damaged_checkpoints")
+    os.makedirs(dest_root, exist_ok=True)
+    dest, n = os.path.join(dest_root, str(step)), 1
+    while os.path.exists(dest):
+        dest, n = os.path.join(dest_root, f"{step}.{n}"), n + 1
+    os.replace(os.path.join(checkpoint_dir, str(step)), dest)
+    return dest
+
+
+def write_eval_result(out_dir: str, result: dict[str, Any]) -> str:
+    """OUT/eval_<split>_step<step>.json (never summary.json); returns its path."""
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"cannot write the evaluation to {out_dir}: {e.strerror or e}; pass --out=DIR") from None
+    path = os.path.join(out_dir, f"eval_{result['split']}_step{result['step']}.json")
+    try:
+        write_json(path, result)
+    except UserError as e:
+        raise UserError(f"{e}; pass --out=DIR to write the evaluation elsewhere") from None
+    return path
