@@ -10,7 +10,8 @@ After the last kill the run is left to finish. Reported:
 
 - restores: how many starts resumed from a checkpoint (the "resuming ... at step S" line);
 - identical: for how many kills every step logged after the resume equals the uninterrupted run's line
-  (train_loss, grad_norm, lr, tokens_seen, validation; tokens_per_second, a wall-clock rate, is left out);
+  (train_loss, grad_norm, lr, tokens_seen, validation; the wall-clock tokens_per_second and train_seconds are left
+  out);
 - work lost per kill: the steps the killed process had completed (logged) beyond the checkpoint it resumed from;
 - final: whether the final parameters and optimiser state (bitwise) and the whole metrics.jsonl equal the
   uninterrupted run's.
@@ -36,7 +37,7 @@ sys.path.insert(0, ROOT)
 
 WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau "
          "upsilon phi chi psi omega").split()
-TIMING = {"tokens_per_second"}
+TIMING = {"tokens_per_second", "train_seconds"}
 
 
 def write_corpus(root: str, n_files: int = 24, words: int = 600) -> None:
