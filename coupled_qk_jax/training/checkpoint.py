@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import shutil
 import sys
 from typing import Any, Callable
@@ -94,6 +95,20 @@ def leaf_checksums(state: Any) -> dict[str, list[int]]:
     flat = jax.tree_util.tree_flatten_with_path(sums)[0]
     return {jax.tree_util.keystr(p): [int(v) for v in np.asarray(s.addressable_data(0)).reshape(-1)]
             for p, s in flat}
+
+
+def _save_cause(e: BaseException) -> str:
+    """The cause of a failed write in a few words: the OS error (errno and its text) when there is one, found on the
+    exception chain or in tensorstore's message (``[os_error_code='28']``), else the first line of the message."""
+    seen = e
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno:
+            return f"[Errno {seen.errno}] {seen.strerror or os.strerror(seen.errno)}"
+        seen = seen.__cause__ or seen.__context__
+    m = re.search(r"os_error_code='?(\d+)", str(e))
+    if m:
+        return f"[Errno {m.group(1)}] {os.strerror(int(m.group(1)))}"
+    return _first_line(e)
 
 
 def _first_line(e: BaseException) -> str:
@@ -195,7 +210,7 @@ class Checkpointer:
         self.remove_temporaries()
         good = [s for s in self._completed_steps() if s != step]
         raise CheckpointSaveError(
-            f"saving checkpoint step {step} to {self.directory} failed: {_first_line(e)}; the run stopped, the "
+            f"saving checkpoint step {step} to {self.directory} failed: {_save_cause(e)}; the run stopped, the "
             f"last good checkpoint is {'step ' + str(max(good)) if good else 'none'}") from e
 
     def _completed_steps(self) -> list[int]:
