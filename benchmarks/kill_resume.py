@@ -37,7 +37,7 @@ sys.path.insert(0, ROOT)
 
 WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau "
          "upsilon phi chi psi omega").split()
-TIMING = {"tokens_per_second", "train_seconds"}
+TIMING = {"tokens_per_second", "train_seconds", "model_tflops_per_second", "mfu"}
 
 
 def write_corpus(root: str, n_files: int = 24, words: int = 600) -> None:

@@ -22,7 +22,7 @@ from coupled_qk_jax.training.checkpoint import CheckpointSaveError
 from coupled_qk_jax.training.writers import MetricsWriter, read_metrics
 from test_training import leaves_with_names, tiny_config, write_corpus
 
-TIMING = {"tokens_per_second", "train_seconds"}  # the only logged values that depend on the wall clock
+TIMING = {"tokens_per_second", "train_seconds", "model_tflops_per_second", "mfu"}  # wall-clock rates and totals
 
 
 def _config(root, **train):
