@@ -103,7 +103,7 @@ class LMTask:
 
     def require_split(self, split: str, needed: int, what: str) -> None:
         """A one-line error naming the split, its size and the fix when it has fewer than ``needed`` tokens."""
-        n = int(self.cache.tokens(split).shape[0])
+        n = int(self.cache.manifest["splits"][split]["tokens"])  # no file opened: a run directory has no train split
         if n < needed:
             raise UserError(
                 f"the {split} split of {self.cfg.data.corpus} has {n} token(s), fewer than the {needed} that {what} "
