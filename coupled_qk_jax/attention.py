@@ -12,14 +12,17 @@ half-heads (q1, k1), (q2, k2) of the baseline head dim and a value of twice that
 on the H half-heads, so a coupled+differential layer has exactly the coupled layer's parameters plus DiffAttn's
 λ vectors and head-norm scale.
 
-Parameters carry logical axis names (metadata `logical_axes`) that `sharding.py` maps to mesh axes.
+Parameters carry logical axis names (metadata `logical_axes`) that `sharding.py` maps to mesh axes. Precision follows
+precision.py: softmax, λ, norms and biases in float32, matmuls in the compute dtype.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 import zlib
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -129,10 +132,13 @@ def causal_attention(q: Array, k: Array, v: Array, mix: Array | None = None, imp
     With mix=None, G must equal H (plain multi-head attention). Differential attention is mix = [1, −λ, 1, −λ, ...]
     over pairs of half-heads with G = H/2 values of width 2D (specs/diffattn.md). The mix is linear, so it is applied
     to the probabilities before the value product where the probabilities exist (the explicit path: the FLOPs of
-    plain attention) and to the per-head outputs where a fused kernel hides them.
+    plain attention) and to the per-head outputs where a fused kernel hides them. The output has v's dtype, or
+    float32 with a mix: A1 − λ·A2 cancels, and rounding it (or its cotangent) to bf16 before the caller's norm put
+    λ's gradient off by up to 2× (precision.py).
 
     impl: "explicit" (einsums in causal query blocks, `n_chunks` of them, 0 = auto_chunks), "xla" / "cudnn"
-    (jax.nn.dot_product_attention) or "pallas" (the Pallas TPU flash kernel). return_weights=True (explicit only)
+    (jax.nn.dot_product_attention), "pallas" (the Pallas TPU flash kernel) or "auto" (choose_implementation, per
+    lowering platform). return_weights=True (explicit only)
     also returns the mixed attention matrices [B, G, T, T] in fp32: the diagnostics read them from this same kernel.
 
     visible: bool [B, T, S] replaces the causal mask for cached decoding (explicit only, one block): k and v then
@@ -147,6 +153,17 @@ def causal_attention(q: Array, k: Array, v: Array, mix: Array | None = None, imp
         raise ValueError(f"causal_attention: mix must have shape [H]=({h},), got {mix.shape}")
     if (return_weights or visible is not None) and impl != "explicit":
         raise ValueError("causal_attention: return_weights and visible need impl='explicit'")
+    if impl == "auto":
+        # The kernel for this process's backend, except that a program lowered for TPU takes the Pallas kernel where
+        # T allows: jax.lax.platform_dependent picks per lowering platform, so a step compiled on a TPU host or
+        # exported for TPU from any host (jax.export) gets it, and XLA drops the branch a platform does not take.
+        here = choose_implementation("auto", q.dtype, d, t)
+        on_tpu = choose_implementation("auto", q.dtype, d, t, platform="tpu")
+        if here == on_tpu:
+            return causal_attention(q, k, v, mix, here, n_chunks)
+        kernel = {name: functools.partial(causal_attention, mix=mix, impl=name, n_chunks=n_chunks)
+                  for name in (here, on_tpu)}
+        return jax.lax.platform_dependent(q, k, v, tpu=kernel[on_tpu], default=kernel[here])
     if impl == "explicit":
         return _explicit_attention(q, k, v, mix, n_chunks, return_weights, visible)
     # Fused kernels take one value per query head of width D: repeat each group's value over its heads, and split a
@@ -159,8 +176,7 @@ def causal_attention(q: Array, k: Array, v: Array, mix: Array | None = None, imp
     o = _fused_attention(qh, kh, vh, impl).reshape(b, t, h, dv)
     if mix is None:
         return o
-    o = (o.astype(jnp.float32) * mix[:, None]).reshape(b, t, g, h // g, dv).sum(axis=3)
-    return o.astype(v.dtype)
+    return (o.astype(jnp.float32) * mix[:, None]).reshape(b, t, g, h // g, dv).sum(axis=3)
 
 
 def _explicit_attention(q: Array, k: Array, v: Array, mix: Array | None, n_chunks: int, return_weights: bool,
@@ -201,8 +217,13 @@ def _explicit_attention(q: Array, k: Array, v: Array, mix: Array | None, n_chunk
             p = (p * mix[:, None, None]).reshape((b, g, h // g) + p.shape[2:]).sum(axis=2)
         if return_weights:
             weights.append(jnp.pad(p, ((0, 0), (0, 0), (0, 0), (0, s_kv - keys))))
-        o = jnp.einsum("bhqk,bhkd->bhqd", p.astype(v.dtype), vt[:, :, :keys], preferred_element_type=jnp.float32)
-        outs.append(o.astype(v.dtype))
+        if mix is None:
+            o = jnp.einsum("bhqk,bhkd->bhqd", p.astype(v.dtype), vt[:, :, :keys], preferred_element_type=jnp.float32)
+            outs.append(o.astype(v.dtype))
+        else:
+            # float32 value product and output (precision.py): the mixed weights' cotangent, from which λ's gradient
+            # is summed over T×T entries, is then not rounded to bf16 (that put λ's gradient off by up to 2×).
+            outs.append(jnp.einsum("bhqk,bhkd->bhqd", p, vt[:, :, :keys].astype(jnp.float32)))
     o = jnp.swapaxes(jnp.concatenate(outs, axis=2) if len(outs) > 1 else outs[0], 1, 2)
     if not return_weights:
         return o
@@ -239,7 +260,9 @@ class CouplingMLP(nnx.Module):
         self.b2 = const_param(lead + (d,), 0.0, lead_axes + ("head_dim",))
 
     def params(self, dtype) -> dict[str, Array]:
-        return {name: getattr(self, name)[...].astype(dtype) for name in ("w1", "b1", "w2", "b2")}
+        """Weights in the compute dtype, biases in float32 (precision.py)."""
+        return {"w1": self.w1[...].astype(dtype), "b1": self.b1[...], "w2": self.w2[...].astype(dtype),
+                "b2": self.b2[...]}
 
 
 class AffineCouplingNets(nnx.Module):
@@ -255,7 +278,9 @@ class AffineCouplingNets(nnx.Module):
             setattr(self, f"{net}_b2", const_param((p, 2 * d), 0.0, (None, "head_dim")))
 
     def params(self, dtype) -> dict[str, dict[str, Array]]:
-        return {net: {leaf: getattr(self, f"{net}_{leaf}")[...].astype(dtype) for leaf in ("w1", "b1", "w2", "b2")}
+        """Weights in the compute dtype, biases in float32 (precision.py)."""
+        cast = {"w1": dtype, "b1": jnp.float32, "w2": dtype, "b2": jnp.float32}
+        return {net: {leaf: getattr(self, f"{net}_{leaf}")[...].astype(cast[leaf]) for leaf in cast}
                 for net in ("q_net", "k_net")}
 
 
@@ -329,7 +354,7 @@ class CausalSelfAttention(nnx.Module):
         v = v.reshape(v.shape[:2] + (h // 2, 2 * dh))
         out = causal_attention(q, k, v, mix, impl, chunks, return_weights, visible)
         o, weights = out if return_weights else (out, None)
-        o = rms_norm(o, self.subln_scale[...], eps=1e-5) * (1.0 - self.lambda_init)
+        o = (rms_norm(o, self.subln_scale[...], eps=1e-5) * (1.0 - self.lambda_init)).astype(q.dtype)
         o = o.reshape(b, t, h, dh)
         return (o, weights) if return_weights else o
 
@@ -340,7 +365,9 @@ class CausalSelfAttention(nnx.Module):
         Activations are [B, T, H, d] from the projections on (the layout jax.nn.dot_product_attention and cuDNN
         take). collect=True runs the explicit kernel, which also returns the attention weights."""
         cfg, dtype = self.cfg, x.dtype
-        impl = "explicit" if collect else choose_implementation(cfg.attention_impl, dtype, cfg.head_dim, x.shape[1])
+        impl = "explicit" if collect else cfg.attention_impl
+        if impl not in ("auto", "explicit"):  # a named kernel: honoured where it can run (choose_implementation)
+            impl = choose_implementation(impl, dtype, cfg.head_dim, x.shape[1])
         q = jnp.einsum("btd,dhk->bthk", x, self.wq[...].astype(dtype))
         k = jnp.einsum("btd,dhk->bthk", x, self.wk[...].astype(dtype))
         v = jnp.einsum("btd,dhk->bthk", x, self.wv[...].astype(dtype))

@@ -69,7 +69,7 @@ class ModelConfig:
     rope_base: float = 10000.0
     norm: str = "rmsnorm"  # "rmsnorm" | "layernorm"
     dropout: float = 0.0
-    dtype: str = "float32"  # compute dtype; params are always float32
+    dtype: str = "float32"  # compute dtype, "float32" | "bfloat16"; params are always float32 (precision.py)
     remat: str = "none"  # "none" | "full" | "dots" (save matmul outputs) | "nothing_saveable"
     # "auto": cuDNN on GPU (bf16/fp16), the Pallas flash kernel on TPU, else explicit | "explicit" | "xla" | "cudnn"
     # | "pallas" (attention.choose_implementation)
@@ -101,8 +101,11 @@ class ModelConfig:
                 "(each differential head splits into two half-heads of the baseline head dim)")
         if self.positions == "rope" and self.head_dim % 2:
             raise ValueError(f"model.positions='rope' needs an even head dim, got head_dim={self.head_dim}")
+        if self.dtype == "float16":
+            raise ValueError("model.dtype='float16' is not supported: it needs loss scaling, which is not implemented "
+                             "(coupled_qk_jax/precision.py); use model.dtype='bfloat16'")
         choices = {"coupling_scope": ("layer", "shared"), "positions": ("learned", "rope", "none"),
-                   "norm": ("rmsnorm", "layernorm"), "dtype": ("float32", "bfloat16", "float16"),
+                   "norm": ("rmsnorm", "layernorm"), "dtype": ("float32", "bfloat16"),
                    "remat": ("none", "full", "dots", "nothing_saveable"),
                    "dynamics_backward": ("reversible", "autodiff"),
                    "attention_impl": ("auto", "explicit", "xla", "cudnn", "pallas")}

@@ -50,6 +50,8 @@ from typing import Callable, Mapping
 import jax
 import jax.numpy as jnp
 
+from coupled_qk_jax.precision import add_bias
+
 Array = jax.Array
 Force = Callable[[Array], Array]
 StepFn = Callable[[Array, Array, Array, Force], tuple[Array, Array]]
@@ -61,10 +63,11 @@ BACKWARDS = ("reversible", "autodiff")
 def coupling_mlp(params: Mapping[str, Array], x: Array) -> Array:
     """f(x) = silu(x @ w1 + b1) @ w2 + b2.
 
-    params: w1 [d, h], b1 [h], w2 [h, d], b2 [d].  x: [..., d]  ->  [..., d].
+    params: w1 [d, h], b1 [h], w2 [h, d], b2 [d].  x: [..., d]  ->  [..., d]. The bias adds run in float32
+    (precision.add_bias), so the biases' gradients are float32 sums over tokens.
     """
-    hidden = jax.nn.silu(x @ params["w1"] + params["b1"])
-    return hidden @ params["w2"] + params["b2"]
+    hidden = jax.nn.silu(add_bias(x @ params["w1"], params["b1"]))
+    return add_bias(hidden @ params["w2"], params["b2"])
 
 
 def _acc_dtype(dtype) -> jnp.dtype:
@@ -369,8 +372,8 @@ def coupling_mlp_heads(params: Mapping[str, Array], x: Array) -> Array:
 
     params: w1 [H, d, h], b1 [H, h], w2 [H, h, d], b2 [H, d].  x: [..., H, d] -> [..., H, d].
     """
-    hidden = jax.nn.silu(jnp.einsum("...hd,hdk->...hk", x, params["w1"]) + params["b1"])
-    return jnp.einsum("...hk,hkd->...hd", hidden, params["w2"]) + params["b2"]
+    hidden = jax.nn.silu(add_bias(jnp.einsum("...hd,hdk->...hk", x, params["w1"]), params["b1"]))
+    return add_bias(jnp.einsum("...hk,hkd->...hd", hidden, params["w2"]), params["b2"])
 
 
 def evolve_heads_batched(

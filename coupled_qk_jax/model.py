@@ -3,7 +3,8 @@
     tokens [B, T] -> embed (+ learned positions) -> n_layers x Block -> final norm -> tied head -> logits [B, T, V]
     Block: x + Attn(Norm(x)), then x + MLP(Norm(x))       (pre-norm, GELU MLP)
 
-Parameters are float32; activations run in `cfg.dtype` (bf16 on accelerators), logits are returned in float32.
+Parameters are float32; activations run in `cfg.dtype` (bf16 on accelerators), logits are returned in float32; what
+runs in float32 under bf16 is the policy in precision.py.
 Randomness is explicit: dropout takes a key argument, so a step is a pure function of (params, batch, key), which is
 what makes resumed runs and seed-vmapped runs reproduce exactly.
 """
@@ -16,6 +17,7 @@ from flax import nnx
 
 from coupled_qk_jax.attention import CausalSelfAttention, CouplingMLP, const_param, normal_param, rms_norm
 from coupled_qk_jax.config import DYNAMICS_METHOD, ModelConfig
+from coupled_qk_jax.precision import add_bias
 
 Array = jax.Array
 
@@ -56,9 +58,9 @@ class MLP(nnx.Module):
         self.b_out = const_param((cfg.d_model,), 0.0, ("embed",))
 
     def __call__(self, x: Array) -> Array:
-        dtype = x.dtype
-        h = jax.nn.gelu(x @ self.w_in[...].astype(dtype) + self.b_in[...].astype(dtype))
-        return h @ self.w_out[...].astype(dtype) + self.b_out[...].astype(dtype)
+        dtype = x.dtype  # matmuls in the compute dtype, bias adds in float32 (precision.py)
+        h = jax.nn.gelu(add_bias(x @ self.w_in[...].astype(dtype), self.b_in[...]))
+        return add_bias(h @ self.w_out[...].astype(dtype), self.b_out[...])
 
 
 def dropout(x: Array, rate: float, key: Array | None) -> Array:

@@ -2,6 +2,8 @@
 the default multi-block explicit path; the fused forms (XLA, Pallas TPU flash in interpret mode) against it; and the
 kernel choice per platform."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -129,3 +131,13 @@ def test_unavailable_kernel_falls_back_with_a_warning():
     with pytest.raises(ValueError, match="mix must have shape"):
         attention.causal_attention(jnp.zeros((1, 8, H, D)), jnp.zeros((1, 8, H, D)), jnp.zeros((1, 8, H // 2, D)),
                                    jnp.ones(3))
+
+
+def test_auto_on_cpu_is_the_explicit_kernel_with_no_tpu_branch_left():
+    """impl='auto' at T = 128 picks per lowering platform (platform_dependent): the CPU program must be the explicit
+    kernel alone, the Pallas TPU branch dropped and no conditional left."""
+    q, k, v = qkv(128, seed=4)
+    auto = jax.jit(lambda q, k, v: attention.causal_attention(q, k, v, impl="auto"))
+    hlo = auto.lower(q, k, v).compile().as_text()
+    assert not re.search(r"\bconditional\(", hlo) and "tpu_custom_call" not in hlo
+    np.testing.assert_allclose(auto(q, k, v), np_attention(q, k, v)[0], rtol=2e-5, atol=2e-5)

@@ -187,6 +187,7 @@ def test_parameter_counts_per_scale():
     ("n_steps", 0, "model.n_steps"),
     ("positions", "alibi", "model.positions"),
     ("dtype", "float64", "model.dtype"),
+    ("dtype", "float16", "needs loss scaling"),
     ("dropout", 1.5, "model.dropout"),
 ])
 def test_bad_config_raises_named_error(field, value, match):
