@@ -89,7 +89,7 @@ def test_fused_xla_form_matches_explicit():
 
 def test_pallas_tpu_flash_in_interpret_mode_matches_explicit():
     """The TPU kernel itself, run by Pallas' TPU interpreter on CPU: forward and gradients of one differential head
-    (the mix over 2 half-heads, as 4 virtual heads), and plain softmax, at T = 128 (one Pallas block)."""
+    (the mix over 2 half-heads, as 4 virtual heads of the plain softmax kernel) at T = 128 (one Pallas block)."""
     from jax.experimental.pallas import tpu as pltpu
 
     q, k, v = qkv(128, 1, 2 * D, seed=3, b=1, h=2)
@@ -101,9 +101,7 @@ def test_pallas_tpu_flash_in_interpret_mode_matches_explicit():
 
     with pltpu.force_tpu_interpret_mode():
         out, grads = jax.value_and_grad(loss("pallas"), argnums=(0, 1, 2, 3))(q, k, v, mix)
-        plain = attention.causal_attention(q, k, v[..., :D].repeat(2, axis=2), impl="pallas")
     np.testing.assert_allclose(out, np.sum(np_attention(q, k, v, mix)[0] * np.asarray(cot)), rtol=1e-4)
-    np.testing.assert_allclose(plain, np_attention(q, k, v[..., :D].repeat(2, axis=2))[0], rtol=1e-4, atol=1e-4)
     for a, b in zip(grads, jax.grad(loss("explicit"), argnums=(0, 1, 2, 3))(q, k, v, mix)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
 
