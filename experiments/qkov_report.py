@@ -24,6 +24,7 @@ import glob
 import json
 import os
 import sys
+import time
 
 import numpy as np
 from scipy import stats
@@ -449,7 +450,7 @@ def main(argv=None) -> int:
                  "gradient-flow ODE (Figure 4) is `ode.csv` / `ode.png` (docs/qkov.md).\n\n"
                  "These runs replace the scaled-down ones (10-25% of the paper's steps) of commit 1254204, "
                  "whose tables are in that commit's docs/results/qkov/synthetic.md and fixed_attention.md.\n\n")
-        fh.write("## State of the queue\n\n")
+        fh.write(f"## State of the queue ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})\n\n")
         done = [f"{r['cell']} ({r['seeds']})" for r in table if r["seeds_done"]]
         live = [f"{r['cell']}: {'; '.join(ckpt_epoch(args.work, r['cell']))}" for r in table
                 if ckpt_epoch(args.work, r["cell"])]
