@@ -5,8 +5,10 @@
 Nothing runs: each program is only lowered from ShapeDtypeStructs and compiled for 8 CPU devices, and the compiled HLO
 is parsed with `sharding.collective_ops`. The width, heads, vocabulary and sequence length are the scale's; the layer
 count is cut (default 2) to keep compile time short; the per-layer traffic is what matters. For meshes with fsdp > 1
-it shows the step with and without `sharding.fsdp_gather` (weights all-gathered before use). Element counts are
-per device program, summed over ops; bf16 activations.
+it shows the step traced with and without the mesh in context (`sharding.under_mesh`, which the trainer uses): with
+it, each block all-gathers its own weights where it runs (`sharding.gather_weights`) and the residual stream is
+pinned to the batch layout; without it XLA's propagation alone decides. Element counts are per device program,
+summed over ops; bf16 activations.
 """
 
 from __future__ import annotations
@@ -41,9 +43,9 @@ def step_traffic(cfg: ModelConfig, shape: tuple[int, int, int], batch: int, seq:
     params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), nnx.to_pure_dict(state))
     mesh = shd.make_mesh(dict(zip(shd.MESH_AXES, shape)))
     p_sh = shd.named_shardings(shd.param_specs(abstract, mesh), mesh)
-    prepare = shd.fsdp_gather(abstract, mesh) if gather else (lambda p: p)
     loss_fn = steps.make_loss_fn(graphdef)
-    fn = jax.value_and_grad(lambda p, b: loss_fn(prepare(p), b)[0])
+    fn = jax.value_and_grad(lambda p, b: loss_fn(p, b)[0])
+    fn = shd.under_mesh(fn, mesh) if gather else fn
     tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
     text = jax.jit(fn, in_shardings=(p_sh, shd.batch_sharding(mesh)), out_shardings=(shd.replicated(mesh), p_sh)) \
         .lower(params, {"inputs": tokens, "targets": tokens}).compile(FAST_COMPILE).as_text()
@@ -60,16 +62,19 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--variants", default="standard,coupled_euler")
+    p.add_argument("--scan", action="store_true", help="scanned layers (model.scan_layers)")
+    p.add_argument("--meshes", default=",".join("x".join(map(str, m)) for m in MESHES), help="e.g. 1x8x1,1x4x2")
     args = p.parse_args(argv)
     print(f"scale {args.scale} width, {args.layers} layers, batch {args.batch}; "
           "collective: ops / million elements (per device program)\n")
-    print("| variant | mesh | fsdp_gather | all-gather | all-reduce | all-to-all | other | total M elements |")
+    print("| variant | mesh | under_mesh | all-gather | all-reduce | all-to-all | other | total M elements |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for variant in args.variants.split(","):
         c = lm.get_config(f"{variant},{args.scale}")
-        cfg = dataclasses.replace(ModelConfig.from_dict(c.model.to_dict()), n_layers=args.layers, dtype="bfloat16")
+        cfg = dataclasses.replace(ModelConfig.from_dict(c.model.to_dict()), n_layers=args.layers, dtype="bfloat16",
+                                  scan_layers=args.scan)
         seq = int(c.data.seq_len)
-        for shape in MESHES:
+        for shape in [tuple(int(n) for n in m.split("x")) for m in args.meshes.split(",")]:
             for gather in ([False, True] if shape[1] > 1 else [False]):
                 tr = step_traffic(cfg, shape, args.batch, seq, gather)
                 cell = lambda k: f"{tr[k][0]} / {tr[k][1] / 1e6:.1f}" if k in tr else "0"  # noqa: E731

@@ -1,6 +1,7 @@
 """Memory and throughput on paper for the 60m / 150m / 350m scales, from the real configs and the real sharding rules.
 
     python benchmarks/memory_model.py [--variant coupled_euler] [--dtype bf16] [--scales 60m,150m,350m]
+    python benchmarks/memory_model.py --xla [--scales 350m] [--dtype fp32]    # the model against XLA's figure
 
 Nothing is run on an accelerator: parameter counts come from `abstract_param_count` / `nnx.eval_shape` (no memory
 is allocated), per-device state sizes from applying `sharding.logical_to_spec` (the rules the trainer uses) to every
@@ -25,6 +26,10 @@ Recomputation", §4.1, adapted; b = bytes per activation element, d = d_model, a
 Model FLOPs per token: 6N + 12·L·s·d (Kaplan/PaLM-style; N includes the tied embedding, which is the head matmul);
 tokens/s = MFU × peak / FLOPs-per-token, at an assumed 40% MFU on bf16 peaks of 197 TFLOP/s (TPU v5e) and
 989 TFLOP/s (H100 SXM, dense).
+
+`--xla` checks the memory part against the compiler: it compiles the real train step (sharding.jit_train_step, the
+config's global batch, state donated) for 8 fake CPU devices on a data=8 and an fsdp=8 mesh, from ShapeDtypeStructs,
+and prints `compiled.memory_analysis()` (arguments + outputs − aliased + temporaries) next to the model's total.
 """
 
 from __future__ import annotations
@@ -38,6 +43,8 @@ import types
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if "--xla" in sys.argv:  # before jax starts: the fake CPU devices of the compiled check
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -131,13 +138,61 @@ def report(variant: str, scales: list[str], bytes_per: int) -> str:
     return "\n".join(lines + per_mesh)
 
 
+def xla_memory(cfg: ModelConfig, mesh_shape: tuple[int, int, int], batch: int, seq: int, train_cfg) -> dict:
+    """Per-device bytes of the compiled train step on `mesh_shape` (8 fake CPU devices), from memory_analysis()."""
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    from coupled_qk_jax.training import optimizer, steps  # noqa: PLC0415
+
+    abstract = nnx.eval_shape(lambda: TransformerLM(cfg, 0))
+    graphdef, params = steps.split_model(abstract)
+    tx = optimizer.make_optimizer(params, train_cfg)
+    state = jax.eval_shape(lambda p: steps.init_train_state(p, tx), params)
+    mesh = shd.make_mesh(dict(zip(shd.MESH_AXES, mesh_shape)))
+    shardings = shd.train_state_shardings(abstract, tx, state, mesh)
+    step = shd.jit_train_step(steps.make_train_step(graphdef, tx), shardings, mesh)
+    tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    m = step.lower(state, {"inputs": tokens, "targets": tokens}, key).compile().memory_analysis()
+    total = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
+    return {"arguments": m.argument_size_in_bytes, "outputs": m.output_size_in_bytes,
+            "aliased": m.alias_size_in_bytes, "temp": m.temp_size_in_bytes, "total": total}
+
+
+def xla_report(variant: str, scales: list[str], bytes_per: int) -> str:
+    lines = [f"variant {variant}, compute dtype {'bfloat16' if bytes_per == 2 else 'float32'}, compiled for 8 CPU "
+             f"devices; GiB per device", "",
+             "| scale | mesh | layout | XLA args | XLA temp | XLA total | model state | model activations | "
+             "model total | model / XLA |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for scale in scales:
+        cfg, seq, batch = model_config(scale, variant)
+        cfg = dataclasses.replace(cfg, dtype="bfloat16" if bytes_per == 2 else "float32")
+        train_cfg = lm.get_config(f"{variant},{scale}").train
+        for shape in ((8, 1, 1), (1, 8, 1)):
+            x = xla_memory(cfg, shape, batch, seq, train_cfg)
+            tokens = batch * seq / (shape[0] * shape[1])
+            state = sharded_state_bytes(cfg, shape)
+            act = tokens * activation_bytes_per_token(cfg, seq, bytes_per, shape[2])
+            model = state + act
+            lines.append(f"| {scale} | {'×'.join(map(str, shape))} | {'scanned' if cfg.scan_layers else 'loop'} | "
+                         f"{x['arguments'] / GIB:.2f} | {x['temp'] / GIB:.2f} | {x['total'] / GIB:.2f} | "
+                         f"{state / GIB:.2f} | {act / GIB:.2f} | {model / GIB:.2f} | {model / x['total']:.3f} |")
+            print(lines[-1], flush=True)
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description="Memory and throughput on paper (see the module docstring).")
     p.add_argument("--variant", default="coupled_euler")
     p.add_argument("--scales", default="60m,150m,350m")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="activation dtype")
+    p.add_argument("--xla", action="store_true", help="compare with compiled.memory_analysis() on 8 CPU devices")
     args = p.parse_args(argv)
-    print(report(args.variant, args.scales.split(","), 2 if args.dtype == "bf16" else 4))
+    bytes_per = 2 if args.dtype == "bf16" else 4
+    if args.xla:
+        print(xla_report(args.variant, args.scales.split(","), bytes_per))
+        return 0
+    print(report(args.variant, args.scales.split(","), bytes_per))
     return 0
 
 

@@ -75,6 +75,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         dropout=0.0,
         dtype="float32",
         remat="none",
+        scan_layers=scale not in ("tiny", "small"),  # scanned layers from 60m up (docs/scaling.md)
         attention_impl="auto",  # cuDNN on GPU, Pallas flash on TPU, else the explicit causal-block path
         attention_chunks=0,  # query blocks of the explicit path; 0 = auto
         init_std=0.02,

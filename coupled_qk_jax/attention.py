@@ -47,9 +47,10 @@ def const_param(shape: tuple[int, ...], value: float, axes: tuple) -> nnx.Param:
     return nnx.Param(jnp.full(shape, value, jnp.float32), logical_axes=axes)
 
 
-def lambda_init(depth: int) -> float:
-    """DiffAttn's λ_init for a 0-based layer index: 0.8 − 0.6·exp(−0.3·depth)."""
-    return 0.8 - 0.6 * math.exp(-0.3 * depth)
+def lambda_init(depth: int | Array) -> Array:
+    """DiffAttn's λ_init for a 0-based layer index: 0.8 − 0.6·exp(−0.3·depth), fp32. `depth` may be traced (the
+    layer index of a scanned stack of layers, model.scan_layers)."""
+    return 0.8 - 0.6 * jnp.exp(-0.3 * jnp.asarray(depth, jnp.float32))
 
 
 # ----------------------------------------------------------------------------------------------- shared functions
@@ -308,7 +309,9 @@ class CausalSelfAttention(nnx.Module):
             self.affine = AffineCouplingNets(cfg, key, path + "/affine")
 
         if cfg.scoring == "differential":
-            self.lambda_init = lambda_init(layer_idx)  # a Python constant, not a parameter
+            # λ_init depends on the depth: the layer index is kept (a Python int, not a parameter) and can be
+            # overridden per call, which is how a scanned stack of layers (model.scan_layers) passes its index.
+            self.layer_idx = layer_idx
             for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
                 setattr(self, name, normal_param(key, f"{path}/{name}", (dh,), 0.1, ("head_dim",)))
             self.subln_scale = const_param((2 * dh,), 1.0, ("head_dim",))
@@ -330,37 +333,43 @@ class CausalSelfAttention(nnx.Module):
             return invertible.affine_forward(self.affine.params(q.dtype), q, k)
         return q, k
 
-    def lambda_value(self) -> Array:
-        """DiffAttn's scalar λ = exp(<λq1,λk1>) − exp(<λq2,λk2>) + λ_init, in fp32."""
+    def lambda_value(self, depth: int | Array | None = None) -> Array:
+        """DiffAttn's scalar λ = exp(<λq1,λk1>) − exp(<λq2,λk2>) + λ_init(depth), in fp32 (depth: this layer's
+        index unless given)."""
+        depth = self.layer_idx if depth is None else depth
         dot1 = jnp.sum(self.lambda_q1[...] * self.lambda_k1[...])
         dot2 = jnp.sum(self.lambda_q2[...] * self.lambda_k2[...])
-        return jnp.exp(dot1) - jnp.exp(dot2) + self.lambda_init
+        return jnp.exp(dot1) - jnp.exp(dot2) + lambda_init(depth)
 
     # -- scoring ----------------------------------------------------------------------------------------------------
     def score(self, q: Array, k: Array, v: Array, impl: str, return_weights: bool = False,
-              visible: Array | None = None):
+              visible: Array | None = None, depth: int | Array | None = None):
         """q, k, v [B, T, H, d] -> the per-head output [B, T, H, d] before W_O (and the attention weights: softmax
         A [B, H, T, T], or A1 − λ·A2 [B, H/2, T, T] under differential scoring, with return_weights). With
         `visible` [B, T, S], k and v are a KV cache [B, S, H, d] (causal_attention).
 
         Differential scoring reads the H heads as H/2 pairs of half-heads; each pair shares the value of width 2d
-        made of both halves' values, and mixes its two attention matrices as A1 − λ·A2 (specs/diffattn.md)."""
+        made of both halves' values, and mixes its two attention matrices as A1 − λ·A2 (specs/diffattn.md). `depth`:
+        the layer index for λ_init (default: the one the layer was built with)."""
         chunks = self.cfg.attention_chunks
         if self.cfg.scoring != "differential":
             return causal_attention(q, k, v, None, impl, chunks, return_weights, visible)
         b, t, h, dh = q.shape
-        lam = self.lambda_value()
+        depth = self.layer_idx if depth is None else depth
+        lam = self.lambda_value(depth)
         mix = jnp.tile(jnp.stack([jnp.ones_like(lam), -lam]), h // 2)  # [1, −λ, 1, −λ, ...]
         v = v.reshape(v.shape[:2] + (h // 2, 2 * dh))
         out = causal_attention(q, k, v, mix, impl, chunks, return_weights, visible)
         o, weights = out if return_weights else (out, None)
-        o = (rms_norm(o, self.subln_scale[...], eps=1e-5) * (1.0 - self.lambda_init)).astype(q.dtype)
+        o = (rms_norm(o, self.subln_scale[...], eps=1e-5) * (1.0 - lambda_init(depth))).astype(q.dtype)
         o = o.reshape(b, t, h, dh)
         return (o, weights) if return_weights else o
 
     # -- forward ----------------------------------------------------------------------------------------------------
-    def __call__(self, x: Array, shared_coupling: CouplingMLP | None = None, collect: bool = False):
+    def __call__(self, x: Array, shared_coupling: CouplingMLP | None = None, collect: bool = False,
+                 layer_idx: int | Array | None = None):
         """x: [B, T, d_model] in the compute dtype -> [B, T, d_model] (and a dict of intermediates if collect).
+        layer_idx: this layer's depth (default: the index it was built with; a scanned stack passes its own).
 
         Activations are [B, T, H, d] from the projections on (the layout jax.nn.dot_product_attention and cuDNN
         take). collect=True runs the explicit kernel, which also returns the attention weights."""
@@ -376,7 +385,7 @@ class CausalSelfAttention(nnx.Module):
         q1, k1 = q, k
         if cfg.positions == "rope":
             q, k = apply_rope(q, cfg.rope_base), apply_rope(k, cfg.rope_base)
-        o = self.score(q, k, v, impl, return_weights=collect)
+        o = self.score(q, k, v, impl, return_weights=collect, depth=layer_idx)
         if collect:
             o, weights = o
         y = jnp.einsum("bthk,hkd->btd", o, self.wo[...].astype(dtype))
@@ -389,7 +398,8 @@ class CausalSelfAttention(nnx.Module):
 
     # -- cached decoding (generate.py) ------------------------------------------------------------------------------
     def decode(self, x: Array, cache: dict[str, Array], positions: Array,
-               shared_coupling: CouplingMLP | None = None) -> tuple[Array, dict[str, Array]]:
+               shared_coupling: CouplingMLP | None = None,
+               layer_idx: int | Array | None = None) -> tuple[Array, dict[str, Array]]:
         """The layer on T new tokens with a KV cache: x [B, T, d_model] at absolute `positions` [B, T] (consecutive
         in each row) -> (y [B, T, d_model], the updated cache).
 
@@ -410,5 +420,5 @@ class CausalSelfAttention(nnx.Module):
         write = jax.vmap(lambda c, new, at: jax.lax.dynamic_update_slice_in_dim(c, new.astype(c.dtype), at, axis=0))
         cache = {"k": write(cache["k"], k, positions[:, 0]), "v": write(cache["v"], v, positions[:, 0])}
         visible = jnp.arange(cache["k"].shape[1])[None, None, :] <= positions[:, :, None]  # [B, T, S]
-        o = self.score(q, cache["k"], cache["v"], "explicit", visible=visible)
+        o = self.score(q, cache["k"], cache["v"], "explicit", visible=visible, depth=layer_idx)
         return jnp.einsum("bthk,hkd->btd", o, self.wo[...].astype(dtype)), cache

@@ -71,6 +71,9 @@ class ModelConfig:
     dropout: float = 0.0
     dtype: str = "float32"  # compute dtype, "float32" | "bfloat16"; params are always float32 (precision.py)
     remat: str = "none"  # "none" | "full" | "dots" (save matmul outputs) | "nothing_saveable"
+    # Layers as one stacked block run by jax.lax.scan (params carry a leading "layers" axis): compile time and HLO
+    # size stop growing with depth, and FSDP gathers one layer's weights at a time. False: a Python loop of blocks.
+    scan_layers: bool = False
     # "auto": cuDNN on GPU (bf16/fp16), the Pallas flash kernel on TPU, else explicit | "explicit" | "xla" | "cudnn"
     # | "pallas" (attention.choose_implementation)
     attention_impl: str = "auto"
@@ -112,6 +115,8 @@ class ModelConfig:
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"model.{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if not isinstance(self.scan_layers, bool):
+            raise ValueError(f"model.scan_layers must be True or False, got {self.scan_layers!r}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"model.dropout must be in [0, 1), got {self.dropout}")
         if self.per_head_params and self.coupling_scope == "shared":

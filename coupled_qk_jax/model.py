@@ -3,6 +3,13 @@
     tokens [B, T] -> embed (+ learned positions) -> n_layers x Block -> final norm -> tied head -> logits [B, T, V]
     Block: x + Attn(Norm(x)), then x + MLP(Norm(x))       (pre-norm, GELU MLP)
 
+The layers are either a list of Blocks run by a Python loop, or (`model.scan_layers`) one Block whose parameters are
+stacked on a leading "layers" axis and run by jax.lax.scan: the program then holds one layer, so compile time and
+HLO size do not grow with depth, and FSDP gathers one layer's weights per scan iteration. Both layouts initialise
+identical values (the stacked block is the list's blocks stacked), and `to_scanned` / `to_unscanned` convert a
+params tree (or a whole train state) between them. Per-layer constants (DiffAttn's λ_init) take the layer index as
+an argument, a traced one inside the scan.
+
 Parameters are float32; activations run in `cfg.dtype` (bf16 on accelerators), logits are returned in float32; what
 runs in float32 under bf16 is the policy in precision.py.
 Randomness is explicit: dropout takes a key argument, so a step is a pure function of (params, batch, key), which is
@@ -11,10 +18,13 @@ what makes resumed runs and seed-vmapped runs reproduce exactly.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from coupled_qk_jax import sharding as shd
 from coupled_qk_jax.attention import CausalSelfAttention, CouplingMLP, const_param, normal_param, rms_norm
 from coupled_qk_jax.config import DYNAMICS_METHOD, ModelConfig
 from coupled_qk_jax.precision import add_bias
@@ -79,9 +89,10 @@ class Block(nnx.Module):
             self.mlp_norm = Norm(cfg)
             self.mlp = MLP(cfg, layer_idx, key)
 
-    def __call__(self, x, shared_coupling=None, dropout_key=None, collect: bool = False):
+    def __call__(self, x, shared_coupling=None, dropout_key=None, collect: bool = False, layer_idx=None):
+        """x [B, T, d_model] -> the same; layer_idx: this block's depth (traced inside the layer scan)."""
         keys = (None, None) if dropout_key is None else tuple(jax.random.split(dropout_key))
-        out = self.attn(self.attn_norm(x), shared_coupling, collect=collect)
+        out = self.attn(self.attn_norm(x), shared_coupling, collect=collect, layer_idx=layer_idx)
         aux = None
         if collect:
             out, aux = out
@@ -90,17 +101,40 @@ class Block(nnx.Module):
             x = x + dropout(self.mlp(self.mlp_norm(x)), self.cfg.dropout, keys[1])
         return (x, aux) if collect else x
 
-    def decode(self, x: Array, cache: dict[str, Array], positions: Array, shared_coupling=None):
+    def decode(self, x: Array, cache: dict[str, Array], positions: Array, shared_coupling=None, layer_idx=None):
         """The block on new tokens with the attention layer's KV cache (no dropout): -> (x, cache)."""
-        out, cache = self.attn.decode(self.attn_norm(x), cache, positions, shared_coupling)
+        out, cache = self.attn.decode(self.attn_norm(x), cache, positions, shared_coupling, layer_idx)
         x = x + out
         if self.cfg.d_ff:
             x = x + self.mlp(self.mlp_norm(x))
         return x, cache
 
 
-def _run_block(block: Block, x: Array, shared_coupling, dropout_key):
-    return block(x, shared_coupling, dropout_key)
+RESIDUAL = ("batch", "length", "activation_embed")  # logical axes of the residual stream between blocks
+
+
+def _run_block(block: Block, x: Array, shared_coupling, dropout_key, layer_idx, collect: bool = False):
+    """One block, with its weights gathered over fsdp where it runs and its output pinned to the residual layout."""
+    out = shd.gather_weights(block)(x, shared_coupling, dropout_key, collect=collect, layer_idx=layer_idx)
+    x, aux = out if collect else (out, None)
+    return shd.constrain(x, RESIDUAL), aux
+
+
+def _run_block_output(block: Block, x: Array, shared_coupling, dropout_key, layer_idx) -> Array:
+    return _run_block(block, x, shared_coupling, dropout_key, layer_idx)[0]
+
+
+def stack_blocks(blocks: list[Block]) -> Block:
+    """One Block whose every Param is the blocks' Params stacked on a new leading axis, logical name "layers"."""
+    graphdef, first = nnx.split(blocks[0])
+    states = [first] + [nnx.split(b)[1] for b in blocks[1:]]
+
+    def stack(*variables):
+        meta = variables[0].get_metadata().get("logical_axes") or (None,) * variables[0].get_value().ndim
+        return variables[0].replace(value=jnp.stack([v.get_value() for v in variables]),
+                                    logical_axes=("layers",) + tuple(meta))
+
+    return nnx.merge(graphdef, jax.tree.map(stack, *states, is_leaf=lambda x: isinstance(x, nnx.Variable)))
 
 
 class TransformerLM(nnx.Module):
@@ -115,7 +149,8 @@ class TransformerLM(nnx.Module):
                                           (None, "embed"))
         if cfg.qk_transform in DYNAMICS_METHOD and cfg.coupling_scope == "shared":
             self.shared_coupling = CouplingMLP(cfg, key, "shared_coupling")
-        self.blocks = nnx.List([Block(cfg, i, key) for i in range(cfg.n_layers)])
+        blocks = [Block(cfg, i, key) for i in range(cfg.n_layers)]
+        self.blocks = stack_blocks(blocks) if cfg.scan_layers else nnx.List(blocks)
         self.final_norm = Norm(cfg)
 
     def __call__(self, tokens: Array, *, dropout_key: Array | None = None, collect: bool = False):
@@ -126,28 +161,33 @@ class TransformerLM(nnx.Module):
         if t > cfg.max_len:
             raise ValueError(f"sequence length {t} exceeds model.max_len={cfg.max_len}")
         dtype = jnp.dtype(cfg.dtype)
-        x = jnp.take(self.embed[...], tokens, axis=0)
+        embed = shd.gather_weight(self.embed, "embed")  # used twice: the lookup here and the tied head
+        x = jnp.take(embed, tokens, axis=0)
         if cfg.positions == "learned":
-            x = x + self.pos_embed[...][:t]
-        x = x.astype(dtype)
-        keys = [None] * (cfg.n_layers + 1)
+            x = x + shd.gather_weight(self.pos_embed, "pos_embed")[:t]
+        x = shd.constrain(x.astype(dtype), RESIDUAL)
+        keys = None
         if dropout_key is not None and cfg.dropout > 0:
-            keys = list(jax.random.split(dropout_key, cfg.n_layers + 1))
-        x = dropout(x, cfg.dropout, keys[-1])
+            keys = jax.random.split(dropout_key, cfg.n_layers + 1)
+            x = dropout(x, cfg.dropout, keys[-1])
         shared = getattr(self, "shared_coupling", None)
-        collected = []
-        run = _run_block
-        if cfg.remat != "none" and not collect:
-            run = nnx.remat(_run_block, policy=REMAT_POLICIES[cfg.remat])
-        for i, block in enumerate(self.blocks):
-            if collect:
-                x, aux = block(x, shared, keys[i], collect=True)
-                collected.append(aux)
-            else:
-                x = run(block, x, shared, keys[i])
-        x = self.final_norm(x)
+        if shared is not None:
+            shared = shd.gather_weights(shared)
+        if cfg.scan_layers:
+            x, collected = self._scan_blocks(x, shared, keys, collect)
+        else:
+            collected = []
+            for i, block in enumerate(self.blocks):
+                key = None if keys is None else keys[i]
+                if cfg.remat != "none" and not collect:
+                    x = nnx.remat(_run_block_output, policy=REMAT_POLICIES[cfg.remat])(block, x, shared, key, i)
+                else:
+                    x, aux = _run_block(block, x, shared, key, i, collect)
+                    collected.append(aux)
+        x = shd.gather_weights(self.final_norm)(x)
         # Tied head: logits = x @ E^T, accumulated in float32.
-        logits = jnp.einsum("btd,vd->btv", x, self.embed[...].astype(dtype), preferred_element_type=jnp.float32)
+        logits = jnp.einsum("btd,vd->btv", x, embed.astype(dtype), preferred_element_type=jnp.float32)
+        logits = shd.constrain(logits, ("batch", "length", "vocab"))
         return (logits, collected) if collect else logits
 
     def decode(self, tokens: Array, cache: dict[str, Array], start: Array) -> tuple[Array, dict[str, Array]]:
@@ -167,12 +207,75 @@ class TransformerLM(nnx.Module):
         x = x.astype(dtype)
         shared = getattr(self, "shared_coupling", None)
         ks, vs = cache["k"], cache["v"]
-        for i, block in enumerate(self.blocks):
-            x, layer = block.decode(x, {"k": ks[i], "v": vs[i]}, positions, shared)
-            ks, vs = ks.at[i].set(layer["k"]), vs.at[i].set(layer["v"])
+        if cfg.scan_layers:  # the cache's layer axis is scanned with the stacked params
+            graphdef, stacked = nnx.split(self.blocks)
+
+            def body(x, xs):
+                params, k, v, idx = xs
+                x, layer = nnx.merge(graphdef, params).decode(x, {"k": k, "v": v}, positions, shared, idx)
+                return x, (layer["k"], layer["v"])
+
+            x, (ks, vs) = jax.lax.scan(body, x, (nnx.to_pure_dict(stacked), ks, vs, jnp.arange(cfg.n_layers)))
+        else:
+            for i, block in enumerate(self.blocks):
+                x, layer = block.decode(x, {"k": ks[i], "v": vs[i]}, positions, shared)
+                ks, vs = ks.at[i].set(layer["k"]), vs.at[i].set(layer["v"])
         x = self.final_norm(x)
         logits = jnp.einsum("btd,vd->btv", x, self.embed[...].astype(dtype), preferred_element_type=jnp.float32)
         return logits, {"k": ks, "v": vs}
+
+    def _scan_blocks(self, x: Array, shared, keys, collect: bool) -> tuple[Array, list]:
+        """jax.lax.scan over the stacked block: each iteration rebuilds one layer from its slice of the stacked
+        params (nnx.merge), with its layer index for per-layer constants and its dropout key."""
+        cfg = self.cfg
+        graphdef, stacked = nnx.split(self.blocks)
+        layer_keys = None if keys is None else keys[:-1]
+
+        def body(x, xs):
+            params, idx, key = xs
+            x, aux = _run_block(nnx.merge(graphdef, params), x, shared, key, idx, collect)
+            return x, aux
+
+        if cfg.remat != "none" and not collect:
+            body = jax.checkpoint(body, policy=REMAT_POLICIES[cfg.remat], prevent_cse=False)
+        x, aux = jax.lax.scan(body, x, (nnx.to_pure_dict(stacked), jnp.arange(cfg.n_layers), layer_keys))
+        if not collect:
+            return x, []
+        return x, [jax.tree.map(lambda a, i=i: a[i], aux) for i in range(cfg.n_layers)]
+
+
+# ------------------------------------------------------------------------------------------- layout conversion
+def to_scanned(tree: Any) -> Any:
+    """Stack the unscanned layout's blocks {"0": {...}, "1": {...}} (or [ {...}, ... ]) into one block with a leading
+    layer axis, wherever a "blocks" entry appears in `tree` (a params dict, or a whole train state: AdamW's moments
+    have the params' structure). Other leaves pass through."""
+    def convert(blocks):
+        layers = [blocks[i] for i in sorted(blocks, key=int)] if isinstance(blocks, dict) else list(blocks)
+        return jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
+
+    return _map_blocks(tree, convert)
+
+
+def to_unscanned(tree: Any) -> Any:
+    """The inverse of `to_scanned`: a stacked block -> {0: {...}, 1: {...}, ...} (the keys nnx.to_pure_dict uses)."""
+    def convert(block):
+        n = jax.tree.leaves(block)[0].shape[0]
+        return {i: jax.tree.map(lambda a, i=i: a[i], block) for i in range(n)}
+
+    return _map_blocks(tree, convert)
+
+
+def _map_blocks(tree: Any, convert) -> Any:
+    def visit(node):
+        if isinstance(node, dict):
+            return {k: convert(v) if k == "blocks" else visit(v) for k, v in node.items()}
+        if isinstance(node, (list, tuple)) and not hasattr(node, "_fields"):
+            return type(node)(visit(v) for v in node)
+        if hasattr(node, "_fields"):  # NamedTuple optimiser states
+            return type(node)(*(visit(v) for v in node))
+        return node
+
+    return visit(tree)
 
 
 def count_params(model: nnx.Module) -> int:

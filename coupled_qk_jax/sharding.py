@@ -1,21 +1,26 @@
 """Meshes, logical-axis rules, placement of train states and batches, sharded jit, and HLO collective accounting.
 
-One table maps the logical names that parameters carry (`logical_axes` metadata, set in attention.py / model.py)
-to mesh axes, MaxText style:
+One table maps the logical names that parameters and activations carry to mesh axes, MaxText style. Parameters
+carry theirs as `logical_axes` metadata (attention.py / model.py); activations get them from `constrain` calls at
+the block boundaries of model.py.
 
-    batch     -> ("data", "fsdp")     batches split over every data-parallel axis
-    embed     -> "fsdp"               FSDP: params and optimiser state sharded over fsdp (gathered per layer by XLA)
-    vocab     -> "tensor"             tensor parallelism: vocab, heads and the MLP split over tensor
-    heads     -> "tensor"
-    mlp       -> "tensor"
-    head_dim, coupling, None -> replicated
+    batch             -> ("data", "fsdp")   batches split over every data-parallel axis
+    embed             -> "fsdp"             FSDP: params and optimiser state sharded over fsdp (stored layout)
+    vocab, heads, mlp -> "tensor"           tensor parallelism: vocab, heads and the MLP split over tensor
+    layers            -> None               the stacked layer axis of scanned layers (model.scan_layers)
+    activation_embed, length, head_dim, coupling -> None (replicated)
 
-A dimension that the mesh axis does not divide is replicated instead (e.g. the 4 heads of `tiny` on tensor=8).
+Loud: a dimension that its mesh axis does not divide is an error naming the parameter, the axis and a fix (e.g.
+150m's 12 heads on tensor=8); nothing is replicated unless the table says so (a mesh axis of size 1 is simply
+dropped from the spec).
 
-Activations are not annotated: with parameters and batches placed as above and Auto mesh axes, XLA's sharding
-propagation keeps q, k, v in [B, T, H, d_head] split over (batch -> data×fsdp, heads -> tensor), and the coupled
-dynamics, vmapped over the head axis, run on each device's own heads. `tests/test_sharding.py` checks this on the
-compiled HLO (`collective_ops`): the coupled variants add no collective to the forward pass.
+FSDP (ZeRO-3): a weight is stored split over fsdp and used whole. `gather_weights(module)` constrains a module's
+weights to their stored layout and then to the compute layout (`compute_spec`: fsdp dropped), so XLA all-gathers
+them where the module runs and reduce-scatters their gradients there in the backward pass. The model applies it
+per block, so inside the layer scan one layer's weights are gathered at a time.
+
+`constrain` and `gather_weights` act only while a mesh is in context (`under_mesh`, which `jit_train_step` /
+`jit_eval_step` apply): without one (a single device, tests of the maths) they are the identity.
 
 Multi-host: `global_batch` turns each host's slice of the batch into one global `jax.Array`;
 `process_batch_slice` says which slice a host must load (see docs/scaling.md).
@@ -24,6 +29,7 @@ Multi-host: `global_batch` turns each host's slice of the batch into one global 
 from __future__ import annotations
 
 import collections
+import functools
 import re
 from typing import Any, Callable, Mapping
 
@@ -37,13 +43,18 @@ MESH_AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")
 
 LOGICAL_RULES: dict[str, Any] = {
+    # parameters (and the batch dim of activations)
     "batch": BATCH_AXES,
     "embed": "fsdp",
     "vocab": "tensor",
     "heads": "tensor",
     "mlp": "tensor",
+    "layers": None,
     "head_dim": None,
     "coupling": None,
+    # activations only: the residual stream [B, T, d_model] is whole along T and d_model on every device
+    "length": None,
+    "activation_embed": None,
 }
 
 # The collective HLO ops XLA's SPMD partitioner can insert (async forms end in "-start").
@@ -95,25 +106,32 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 # ------------------------------------------------------------------------------------------------------- parameters
 def logical_to_spec(logical_axes: tuple, shape: tuple[int, ...], mesh: Mesh,
-                    rules: Mapping[str, Any] = LOGICAL_RULES) -> P:
-    """Map one array's logical axis names to a PartitionSpec, replicating dims the mesh does not divide.
+                    rules: Mapping[str, Any] = LOGICAL_RULES, name: str = "an array") -> P:
+    """Map one array's logical axis names to a PartitionSpec under `rules`.
 
     A mesh axis is used at most once per array (the first logical dim that claims it wins) and axes of size 1 are
-    dropped, so the same rules give clean specs on every mesh shape.
+    dropped, so the same rules give clean specs on every mesh shape. A dimension that its mesh axes do not divide
+    is a ValueError naming `name`, the axis and a fix: silent replication would quietly undo tensor parallelism.
+    `mesh` may be a Mesh or an AbstractMesh (only `.shape` is read).
     """
     if len(logical_axes) != len(shape):
         raise ValueError(f"logical_axes {logical_axes} do not match an array of rank {len(shape)}")
     spec, used = [], set()
-    for name, dim in zip(logical_axes, shape):
-        if name is not None and name not in rules:
-            raise ValueError(f"logical axis {name!r} has no entry in the sharding rules {sorted(rules)}")
-        target = rules.get(name) if name is not None else None
+    for logical, dim in zip(logical_axes, shape):
+        if logical is not None and logical not in rules:
+            raise ValueError(f"logical axis {logical!r} has no entry in the sharding rules {sorted(rules)}")
+        target = rules.get(logical) if logical is not None else None
         axes = (target,) if isinstance(target, str) else tuple(target or ())
         axes = tuple(a for a in axes if a not in used and mesh.shape[a] > 1)
-        size = int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
-        if not axes or dim % size:
+        if not axes:
             spec.append(None)
             continue
+        size = int(np.prod([mesh.shape[a] for a in axes]))
+        if dim % size:
+            sizes = "*".join(f"mesh.{a}={mesh.shape[a]}" for a in axes)
+            fits = [n for n in range(1, size) if dim % n == 0]
+            raise ValueError(f"sharding: {name} has {logical}={dim}, which {sizes} does not divide; use a mesh whose "
+                             f"{'/'.join(axes)} size divides {dim} (e.g. {fits[-1]}), or change the model shape")
         used.update(axes)
         spec.append(axes[0] if len(axes) == 1 else axes)
     return P(*spec)
@@ -126,13 +144,18 @@ def param_specs(model: nnx.Module, mesh: Mesh) -> dict:
     """
     state = nnx.state(model)
 
-    def spec_of(var):
+    def spec_of(path, var):
         value = var.get_value()
         axes = var.get_metadata().get("logical_axes") or (None,) * value.ndim
-        return logical_to_spec(tuple(axes), value.shape, mesh)
+        return logical_to_spec(tuple(axes), value.shape, mesh, name=_path_name(path))
 
-    specs = jax.tree.map(spec_of, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    specs = jax.tree_util.tree_map_with_path(spec_of, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
     return nnx.to_pure_dict(specs)
+
+
+def _path_name(path) -> str:
+    """A parameter's path as 'blocks/0/attn/wq' (for error messages)."""
+    return "/".join(str(getattr(p, "key", getattr(p, "idx", p))) for p in path)
 
 
 def named_shardings(specs: Any, mesh: Mesh) -> Any:
@@ -163,21 +186,73 @@ def compute_spec(spec: P, gathered: tuple[str, ...] = ("fsdp",)) -> P:
     return P(*out)
 
 
-def fsdp_gather(model: nnx.Module, mesh: Mesh) -> Callable[[Any], Any]:
-    """A function params -> params that all-gathers the FSDP-sharded weights at the start of the forward pass
-    (`with_sharding_constraint` to `compute_spec`), i.e. ZeRO-3 semantics made explicit.
+def _context_mesh():
+    """The mesh in context (`under_mesh`, jax.set_mesh) if it is one of ours, else None."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not set(MESH_AXES) <= set(mesh.axis_names):
+        return None
+    return mesh
 
-    Why: without it XLA's propagation sees batch-split activations meeting embed-split weights and often reshards
-    the *activations* instead (all-to-alls, and [B, T, vocab]-sized all-reduces at the tied head). Measured on the
-    60m width (`python benchmarks/collectives.py`), it cuts a step's collective traffic 8-22x on fsdp meshes. Apply
-    it to the params inside the loss (before `nnx.merge`); the gradients come back to the sharded layout through the
-    step's out shardings (a reduce-scatter). A no-op when mesh.fsdp == 1.
+
+def constrain(x: jax.Array, logical_axes: tuple) -> jax.Array:
+    """with_sharding_constraint of an activation to its logical axes (e.g. ("batch", "length",
+    "activation_embed") for the residual stream) under the mesh in context; the identity without one."""
+    mesh = _context_mesh()
+    if mesh is None:
+        return x
+    return jax.lax.with_sharding_constraint(x, logical_to_spec(tuple(logical_axes), x.shape, mesh))
+
+
+def gather_weight(var: nnx.Variable, name: str = "a parameter") -> jax.Array:
+    """The value of one Param, all-gathered over fsdp where it is read (ZeRO-3), under the mesh in context.
+
+    The value is constrained to its stored spec and then to `compute_spec` (fsdp dropped): in the forward pass XLA
+    all-gathers it there, and the transpose of the two constraints reduce-scatters its gradient at the same point
+    of the backward pass. Metadata that names a leading "layers" axis the value no longer has (one layer's slice of
+    the stacked blocks, inside the layer scan) drops it. The plain value without a mesh or with mesh.fsdp == 1.
     """
-    specs = param_specs(model, mesh)
-    if mesh.shape["fsdp"] == 1:
-        return lambda params: params
-    target = jax.tree.map(lambda s: NamedSharding(mesh, compute_spec(s)), specs, is_leaf=lambda x: isinstance(x, P))
-    return lambda params: jax.lax.with_sharding_constraint(params, target)
+    value = var.get_value()
+    mesh = _context_mesh()
+    if mesh is None or mesh.shape["fsdp"] == 1:
+        return value
+    axes = tuple(var.get_metadata().get("logical_axes") or (None,) * value.ndim)
+    if len(axes) == value.ndim + 1 and axes[0] == "layers":
+        axes = axes[1:]
+    stored = logical_to_spec(axes, value.shape, mesh, name=name)
+    used = compute_spec(stored)
+    if used == stored:
+        return value
+    return jax.lax.with_sharding_constraint(jax.lax.with_sharding_constraint(value, stored), used)
+
+
+def gather_weights(module: nnx.Module) -> nnx.Module:
+    """A copy of `module` whose Params are `gather_weight`ed: the model applies it to one block at a time, so inside
+    the layer scan one layer's weights are gathered per iteration instead of the whole model at the start of the
+    step. `module` itself is not modified; without a mesh (or with mesh.fsdp == 1) it is returned as is."""
+    mesh = _context_mesh()
+    if mesh is None or mesh.shape["fsdp"] == 1:
+        return module
+    graphdef, state = nnx.split(module)
+
+    def gather(path, var):
+        if not isinstance(var, nnx.Param):
+            return var
+        return var.replace(value=gather_weight(var, _path_name(path)))
+
+    state = jax.tree_util.tree_map_with_path(gather, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return nnx.merge(graphdef, state)
+
+
+def under_mesh(fn: Callable, mesh: Mesh) -> Callable:
+    """`fn` traced with `mesh` in context, so that the model's `constrain` / `gather_weights` take effect. Wrap the
+    function given to jax.jit (the context is read at trace time)."""
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return fn(*args, **kwargs)
+
+    return wrapped
 
 
 def abstract_state(state: Any, shardings: Any) -> Any:
@@ -240,13 +315,14 @@ def jit_train_step(train_step: Callable, state_shardings: Any, mesh: Mesh, *, wi
     """
     b, rep = batch_sharding(mesh), replicated(mesh)
     in_sh = (state_shardings, b, rep) if with_key else (state_shardings, b)
-    return jax.jit(train_step, in_shardings=in_sh, out_shardings=(state_shardings, rep),
+    return jax.jit(under_mesh(train_step, mesh), in_shardings=in_sh, out_shardings=(state_shardings, rep),
                    donate_argnums=(0,) if donate else ())
 
 
 def jit_eval_step(eval_step: Callable, param_shardings: Any, mesh: Mesh) -> Callable:
     """jax.jit(eval_step) with explicit shardings: (params, batch) -> replicated outputs."""
-    return jax.jit(eval_step, in_shardings=(param_shardings, batch_sharding(mesh)), out_shardings=replicated(mesh))
+    return jax.jit(under_mesh(eval_step, mesh), in_shardings=(param_shardings, batch_sharding(mesh)),
+                   out_shardings=replicated(mesh))
 
 
 # ------------------------------------------------------------------------------------------------- HLO accounting

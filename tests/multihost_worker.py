@@ -2,6 +2,7 @@
 
     python tests/multihost_worker.py --phase train  --workdir DIR --local-devices 2 --mesh 1,2,2
     python tests/multihost_worker.py --phase resume --workdir DIR --local-devices 2 --mesh 1,2,2
+    python tests/multihost_worker.py --phase eval   --workdir DIR --local-devices 2 --mesh 1,1,4
 
 The cluster comes from COUPLED_QK_COORDINATOR / COUPLED_QK_NUM_PROCESSES / COUPLED_QK_PROCESS_ID (read by
 coupled_qk_jax.distributed); unset means a single process. It trains a tiny coupled_euler LM with the project's own
@@ -9,6 +10,8 @@ pieces (steps.py, optimizer.py, sharding.py) and orbax:
 
   train:  steps 1..N, an orbax multi-host checkpoint after step --save-at, then on to N.
   resume: restore the checkpoint into this mesh's shardings, check the step, train --save-at+1..N.
+  eval:   training.evaluate.evaluate_tokens of the initial params over a fixed token stream (each host reads the
+          windows of its batch slice); prints `EVAL <loss float.hex> <scored tokens>`.
 
 Each process builds the same global batch for step s from a seeded generator and feeds only its own rows
 (sharding.process_batch_slice) to sharding.global_batch, exactly as a data loader on each host would. Every process
@@ -27,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--phase", choices=("train", "resume"), required=True)
+    p.add_argument("--phase", choices=("train", "resume", "eval"), required=True)
     p.add_argument("--workdir", required=True, help="absolute; shared by all processes")
     p.add_argument("--local-devices", type=int, default=2, help="fake CPU devices in this process")
     p.add_argument("--mesh", default="1,2,2", help="data,fsdp,tensor")
@@ -79,6 +82,19 @@ def main(argv=None) -> int:
         tokens = np.random.default_rng([1234, step]).integers(0, cfg.vocab_size, (args.batch, 17), dtype=np.int32)
         mine = tokens[index * rows:(index + 1) * rows]  # this host's rows only
         return shd.global_batch({"inputs": mine[:, :-1], "targets": mine[:, 1:]}, mesh)
+
+    if args.phase == "eval":
+        from coupled_qk_jax.training.evaluate import evaluate_tokens, make_sharded_eval_step
+
+        tokens = np.random.default_rng(99).integers(0, cfg.vocab_size, 1000).astype(np.int32)
+        params = jax.device_put(params, shardings["params"])
+        eval_step = make_sharded_eval_step(graphdef, shardings["params"], mesh)
+        result = evaluate_tokens(eval_step, params, tokens, 16, args.batch, mesh, bos_id=0)
+        print(f"EVAL {float(result['loss']).hex()} {result['tokens']}", flush=True)
+        print(f"DONE {jax.process_index()} {jax.process_count()} {jax.device_count()}", flush=True)
+        if multi:
+            jax.distributed.shutdown()
+        return 0
 
     ckpt_dir = os.path.join(os.path.abspath(args.workdir), "ckpt")
     mngr = ocp.CheckpointManager(ckpt_dir, options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True))

@@ -105,7 +105,7 @@ def naive_diffattn(x, attn: CausalSelfAttention):
     b, t, _ = x.shape
     h, dh = p["wq"].shape[1:]
     q, k, v = (np.einsum("btd,dhk->bthk", x, p[n]) for n in ("wq", "wk", "wv"))
-    li = attn.lambda_init
+    li = float(lambda_init(attn.layer_idx))
     lam = np.exp(p["lambda_q1"] @ p["lambda_k1"]) - np.exp(p["lambda_q2"] @ p["lambda_k2"]) + li
     mask = np.tril(np.ones((t, t), bool))
     out = np.zeros((b, t, h // 2, 2 * dh))
@@ -138,7 +138,7 @@ def test_differential_fast_forms_match_naive_reference():
     # λ at init: exactly λ_init with zero λ vectors
     for n in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
         getattr(attn, n)[...] = jnp.zeros_like(getattr(attn, n)[...])
-    assert float(attn.lambda_value()) == pytest.approx(lambda_init(3), abs=1e-7)
+    assert float(attn.lambda_value()) == pytest.approx(float(lambda_init(3)), abs=1e-7)
 
 
 def _loss(model, tokens):

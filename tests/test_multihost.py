@@ -32,7 +32,8 @@ def _env(local_devices: int, cluster: dict[str, str]) -> dict[str, str]:
     return env
 
 
-def launch(phase: str, workdir: pathlib.Path, n_processes: int, local_devices: int) -> list[subprocess.Popen]:
+def launch(phase: str, workdir: pathlib.Path, n_processes: int, local_devices: int,
+           mesh: str = "1,2,2") -> list[subprocess.Popen]:
     """Start one run: n_processes workers (a coordinator on a free localhost port when n_processes > 1)."""
     procs = []
     port = None
@@ -45,7 +46,7 @@ def launch(phase: str, workdir: pathlib.Path, n_processes: int, local_devices: i
             cluster = {distributed.ENV_COORDINATOR: f"127.0.0.1:{port}",
                        distributed.ENV_NUM_PROCESSES: str(n_processes), distributed.ENV_PROCESS_ID: str(pid)}
         cmd = [sys.executable, str(WORKER), "--phase", phase, "--workdir", str(workdir.absolute()),
-               "--local-devices", str(local_devices), "--mesh", "1,2,2"]
+               "--local-devices", str(local_devices), "--mesh", mesh]
         procs.append(subprocess.Popen(cmd, cwd=ROOT, env=_env(local_devices, cluster), stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))
     return procs
@@ -96,6 +97,31 @@ def test_two_process_train_checkpoint_resume_equals_one_process(tmp_path):
     for out in resumed:
         assert losses(out) == {s: reference[s] for s in (4, 5)}
     assert (tmp_path / "multi" / "ckpt" / "3").is_dir()
+
+
+def test_two_process_eval_with_tensor_across_processes_equals_one_process(tmp_path):
+    """Evaluation on a (data=1, fsdp=1, tensor=4) mesh over 2 processes x 2 devices: the tensor axis spans the
+    processes, so both hold the same batch rows and must feed the same windows (sharding.process_batch_slice gives
+    both slice 0 of 1). Handing windows out by process index instead would score each host's different windows as
+    the same rows: a different loss and half the tokens. Reference: 1 process x 4 devices, same mesh shape."""
+    single = launch("eval", tmp_path / "single", n_processes=1, local_devices=4, mesh="1,1,4")
+    try:
+        two = join(launch("eval", tmp_path / "multi", n_processes=2, local_devices=2, mesh="1,1,4"))
+    finally:
+        one = join(single)[0]
+
+    def result(out: str) -> tuple[float, int]:
+        line = [x for x in out.splitlines() if x.startswith("EVAL ")]
+        assert line, out[-4000:]
+        loss, tokens = line[-1].split()[1:]
+        return float.fromhex(loss), int(tokens)
+
+    ref_loss, ref_tokens = result(one)
+    assert ref_tokens == 1000  # every token of the stream scored exactly once (bos_id given)
+    for out in two:
+        loss, tokens = result(out)
+        assert tokens == ref_tokens
+        assert loss == pytest.approx(ref_loss, rel=1e-6)
 
 
 # ------------------------------------------------------------------------------------------ argument resolution

@@ -13,24 +13,18 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh
 
 from coupled_qk_jax import sharding as shd
 from coupled_qk_jax.data.pipeline import eval_batches, num_eval_batches
 from coupled_qk_jax.training.steps import make_eval_step
 
 
-def make_sharded_eval_step(graphdef: nnx.GraphDef, params_shardings: Any, mesh: Mesh,
-                           param_transform: Callable | None = None) -> Callable:
+def make_sharded_eval_step(graphdef: nnx.GraphDef, params_shardings: Any, mesh: Mesh) -> Callable:
     """jit(eval_step) with explicit shardings: params as trained, batch split over (data, fsdp), scalars out."""
-    batch_sh = shd.batch_sharding(mesh)
-    replicated = NamedSharding(mesh, P())
-    return jax.jit(make_eval_step(graphdef, param_transform), in_shardings=(params_shardings, {"inputs": batch_sh, "targets": batch_sh}),
-                   out_shardings=(replicated, replicated))
+    return shd.jit_eval_step(make_eval_step(graphdef), params_shardings, mesh)
 
 
 def evaluate_tokens(eval_step: Callable, params: Any, tokens: np.ndarray, seq_len: int, global_batch_size: int,
@@ -39,9 +33,10 @@ def evaluate_tokens(eval_step: Callable, params: Any, tokens: np.ndarray, seq_le
 
     Args:
       eval_step: ``(params, batch) -> (nll_sum, count)``, e.g. from :func:`make_sharded_eval_step`.
-      tokens: [N] token ids of the split (this host reads its own windows: window k goes to host k mod hosts).
+      tokens: [N] token ids of the split (this host reads its own windows: window k goes to batch slice k mod
+        slices, the slices of sharding.process_batch_slice).
       seq_len: T.
-      global_batch_size: windows per batch over all hosts (each host feeds ``global_batch_size / process_count``).
+      global_batch_size: windows per batch over all hosts (each host feeds ``global_batch_size / slices``).
       bos_id: the end-of-text id; with it all N tokens are scored, without it N - 1.
       max_batches: 0 = the whole split; otherwise only the first ``max_batches`` batches (a cheaper estimate).
 
@@ -49,15 +44,14 @@ def evaluate_tokens(eval_step: Callable, params: Any, tokens: np.ndarray, seq_le
       {"loss": mean NLL in nats, "ppl": exp(loss), "tokens": number of scored tokens}; loss and ppl are floats, or
       float64 arrays [S] when ``eval_step`` is vmapped over a seed axis of ``params``.
     """
-    hosts = jax.process_count()
-    if global_batch_size % hosts:
-        raise ValueError(f"eval batch size {global_batch_size} is not divisible by {hosts} processes")
-    per_host = global_batch_size // hosts
-    total = num_eval_batches(int(tokens.shape[0]), seq_len, per_host, bos_id=bos_id, process_count=hosts)
+    # The training rule (sharding.process_batch_slice): hosts that hold the same batch rows (a tensor axis across
+    # hosts) get the same slice index and feed the same windows; window k goes to slice k mod slices.
+    index, slices = shd.process_batch_slice(mesh, global_batch_size)
+    per_host = global_batch_size // slices
+    total = num_eval_batches(int(tokens.shape[0]), seq_len, per_host, bos_id=bos_id, process_count=slices)
     limit = total if max_batches <= 0 else min(total, max_batches)
     outs = []
-    batches = eval_batches(tokens, seq_len, per_host, bos_id=bos_id, process_index=jax.process_index(),
-                           process_count=hosts)
+    batches = eval_batches(tokens, seq_len, per_host, bos_id=bos_id, process_index=index, process_count=slices)
     for i, batch in enumerate(batches):
         if i == limit:
             break

@@ -227,7 +227,6 @@ class Setup:
     n_params: int
     checkpointer: Checkpointer
     latest: int | None = None  # the restored checkpoint's step (set by whoever restores)
-    param_transform: Any = None  # params -> params at the start of each step (the FSDP weight all-gather)
 
     def init_state(self) -> dict:
         """A fresh train state, created by one jitted function directly in its shardings (one compile instead of
@@ -276,20 +275,18 @@ def setup(cfg: ml_collections.ConfigDict, workdir: str, cache: Any = None, *, re
                                       abstract_state)
         shardings = jax.tree.map(lambda sh: NamedSharding(mesh, P(None, *sh.spec)), shardings)
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(abstract_params))
-    gather = shd.fsdp_gather(abstract_model, mesh)  # identity unless mesh.fsdp > 1
     ck = cfg.checkpoint
     checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), int(ck.keep_last), int(ck.keep_every),
                                 bool(ck.async_save), read_only=read_only)
     return Setup(cfg, mcfg, mesh, cache, task, seeds, graphdef, abstract_state, tx, shardings, n_params,
-                 checkpointer, param_transform=gather)
+                 checkpointer)
 
 
 def make_sharded_train_step(s: Setup):
     """jit(train_step) with explicit shardings; the state is donated (updated in place). With several seeds the
     single-seed step is vmapped over the leading seed axis of the state, the batch ([S, B, T]) and the seeds."""
     cfg = s.cfg
-    step_fn = make_train_step(s.graphdef, s.tx, int(cfg.train.grad_accum), use_dropout=s.mcfg.dropout > 0,
-                              param_transform=s.param_transform)
+    step_fn = make_train_step(s.graphdef, s.tx, int(cfg.train.grad_accum), use_dropout=s.mcfg.dropout > 0)
     schedule = opt_lib.learning_rate_schedule(cfg.train)
 
     def one_seed(state, batch, seed):
@@ -312,13 +309,14 @@ def make_sharded_train_step(s: Setup):
 
     batch_sh = tasks.seed_batch_sharding(s.mesh, len(s.seeds))
     replicated = NamedSharding(s.mesh, P())
-    return jax.jit(train_step, in_shardings=(s.shardings, {"inputs": batch_sh, "targets": batch_sh}),
+    # Traced under the mesh: the model's per-layer FSDP gathers and activation constraints (sharding.py).
+    return jax.jit(shd.under_mesh(train_step, s.mesh), in_shardings=(s.shardings, {"inputs": batch_sh, "targets": batch_sh}),
                    out_shardings=(s.shardings, replicated), donate_argnums=(0,))
 
 
 def make_evaluator(s: Setup) -> tasks.Evaluator:
     """The task's evaluator for this run's params (seed axis included): ``(params, split, max_batches) -> dict``."""
-    return s.task.make_evaluator(s.graphdef, s.shardings["params"], s.mesh, s.param_transform, len(s.seeds))
+    return s.task.make_evaluator(s.graphdef, s.shardings["params"], s.mesh, len(s.seeds))
 
 
 class _StackSeeds:

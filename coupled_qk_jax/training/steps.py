@@ -35,15 +35,13 @@ def init_train_state(params: dict, tx: optax.GradientTransformation) -> dict:
     return {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32)}
 
 
-def make_loss_fn(graphdef: nnx.GraphDef, param_transform: Callable | None = None) -> Callable:
+def make_loss_fn(graphdef: nnx.GraphDef) -> Callable:
     """loss_fn(params, batch, dropout_key=None) -> (mean NLL, (summed NLL, token count)).
 
-    `param_transform` runs on the params before the model is rebuilt, e.g. `sharding.fsdp_gather(model, mesh)`, which
-    all-gathers FSDP-sharded weights once per step instead of letting XLA reshard activations.
+    Under a mesh (sharding.under_mesh, applied by the sharded jits) the model gathers each layer's FSDP-sharded
+    weights where that layer runs (sharding.gather_weights).
     """
     def loss_fn(params, batch, dropout_key=None):
-        if param_transform is not None:
-            params = param_transform(params)
         model = nnx.merge(graphdef, params)
         nll_sum, count = masked_cross_entropy(model(batch["inputs"], dropout_key=dropout_key), batch["targets"])
         return nll_sum / jnp.maximum(count, 1), (nll_sum, count)
@@ -52,13 +50,13 @@ def make_loss_fn(graphdef: nnx.GraphDef, param_transform: Callable | None = None
 
 
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, grad_accum: int = 1,
-                    use_dropout: bool = False, param_transform: Callable | None = None) -> Callable:
+                    use_dropout: bool = False) -> Callable:
     """train_step(state, batch, key) -> (state, metrics). batch: {"inputs", "targets"} [grad_accum * B, T].
 
     With grad_accum > 1 the batch is split into that many micro-batches, scanned, and their token-weighted gradients
     averaged before one optimiser update (so the update equals the one of the full batch).
     """
-    loss_fn = make_loss_fn(graphdef, param_transform)
+    loss_fn = make_loss_fn(graphdef)
 
     def sum_loss(params, batch, key):
         loss, (nll_sum, count) = loss_fn(params, batch, key if use_dropout else None)
@@ -91,9 +89,9 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, gr
     return train_step
 
 
-def make_eval_step(graphdef: nnx.GraphDef, param_transform: Callable | None = None) -> Callable:
+def make_eval_step(graphdef: nnx.GraphDef) -> Callable:
     """eval_step(params, batch) -> (summed NLL, token count) over targets != -100."""
-    loss_fn = make_loss_fn(graphdef, param_transform)
+    loss_fn = make_loss_fn(graphdef)
 
     def eval_step(params, batch):
         return loss_fn(params, batch)[1]

@@ -5,7 +5,7 @@ A task gives the loop (``training/loop.py``) exactly two things:
 * ``train_dataset(seed, slice_index, slice_count)``: a ``grain.MapDataset`` whose element ``i`` is this host's rows
   of global batch ``i``, ``{"inputs", "targets"}`` int32 ``[B_host, T]`` (targets -100 = not scored). The loop
   turns it into the checkpointed iterator; with ``train.num_seeds > 1`` it stacks one dataset per seed.
-* ``make_evaluator(graphdef, params_shardings, mesh, param_transform, num_seeds)``: a function
+* ``make_evaluator(graphdef, params_shardings, mesh, num_seeds)``: a function
   ``(params, split, max_batches) -> {name: value}``. Per-seed metrics are float64 arrays ``[S]`` (``S = 1`` for a
   single run); counts shared by every seed are Python ints. ``max_batches = 0`` scores the whole held-out set.
 
@@ -79,7 +79,8 @@ def _jit_eval(fn: Callable, params_shardings: Any, mesh: Mesh, num_seeds: int) -
     several seeds the function is vmapped over the params' seed axis (every seed scores the same batch)."""
     if num_seeds > 1:
         fn = jax.vmap(fn, in_axes=(0, None))
-    return jax.jit(fn, in_shardings=(params_shardings, shd.batch_sharding(mesh)), out_shardings=shd.replicated(mesh))
+    # Traced under the mesh: the model's per-layer FSDP gathers and activation constraints (sharding.under_mesh).
+    return jax.jit(shd.under_mesh(fn, mesh), in_shardings=(params_shardings, shd.batch_sharding(mesh)), out_shardings=shd.replicated(mesh))
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -124,8 +125,8 @@ class LMTask:
                              slice_count, bos_id=self.cache.eot_id)
 
     def make_evaluator(self, graphdef: nnx.GraphDef, params_shardings: Any, mesh: Mesh,
-                       param_transform: Callable | None, num_seeds: int) -> Evaluator:
-        step = _jit_eval(make_eval_step(graphdef, param_transform), params_shardings, mesh, num_seeds)
+                       num_seeds: int) -> Evaluator:
+        step = _jit_eval(make_eval_step(graphdef), params_shardings, mesh, num_seeds)
 
         def evaluate(params: Any, split: str = "validation", max_batches: int = 0) -> dict[str, Any]:
             self.require_split(split, 2, "an evaluation")
@@ -204,10 +205,8 @@ class MQARTask:
         return grain.MapDataset.source(self.train).repeat().map(_HostRows(slice_index, slice_count))
 
     def make_evaluator(self, graphdef: nnx.GraphDef, params_shardings: Any, mesh: Mesh,
-                       param_transform: Callable | None, num_seeds: int) -> Evaluator:
+                       num_seeds: int) -> Evaluator:
         def scores(params, batch):
-            if param_transform is not None:
-                params = param_transform(params)
             logits = nnx.merge(graphdef, params)(batch["inputs"])
             nll_sum, count = masked_cross_entropy(logits, batch["targets"])
             # argmax on the device: only [B, T] predictions leave it, not [B, T, V] logits.
