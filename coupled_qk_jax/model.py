@@ -32,6 +32,10 @@ from coupled_qk_jax.precision import add_bias
 Array = jax.Array
 
 REMAT_POLICIES = {
+    # Every block runs under jax.checkpoint with one of these. "none" saves every residual except the weights that
+    # FSDP gathered (sharding.GATHERED): the backward pass re-gathers them instead of keeping a full copy of every
+    # layer's weights alive from the forward pass (ZeRO-3). Without a mesh there is nothing gathered and it saves all.
+    "none": jax.checkpoint_policies.save_anything_except_these_names(shd.GATHERED),
     "full": None,  # save nothing but the block input: recompute the whole block in the backward pass
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
     "nothing_saveable": jax.checkpoint_policies.nothing_saveable,
@@ -179,7 +183,7 @@ class TransformerLM(nnx.Module):
             collected = []
             for i, block in enumerate(self.blocks):
                 key = None if keys is None else keys[i]
-                if cfg.remat != "none" and not collect:
+                if not collect:
                     x = nnx.remat(_run_block_output, policy=REMAT_POLICIES[cfg.remat])(block, x, shared, key, i)
                 else:
                     x, aux = _run_block(block, x, shared, key, i, collect)
@@ -236,7 +240,7 @@ class TransformerLM(nnx.Module):
             x, aux = _run_block(nnx.merge(graphdef, params), x, shared, key, idx, collect)
             return x, aux
 
-        if cfg.remat != "none" and not collect:
+        if not collect:
             body = jax.checkpoint(body, policy=REMAT_POLICIES[cfg.remat], prevent_cse=False)
         x, aux = jax.lax.scan(body, x, (nnx.to_pure_dict(stacked), jnp.arange(cfg.n_layers), layer_keys))
         if not collect:

@@ -36,8 +36,11 @@ from typing import Any, Callable, Mapping
 import jax
 import numpy as np
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+
+from coupled_qk_jax.errors import UserError
 
 MESH_AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")
@@ -56,6 +59,9 @@ LOGICAL_RULES: dict[str, Any] = {
     "length": None,
     "activation_embed": None,
 }
+
+# checkpoint_name of every FSDP-gathered weight: remat policies re-gather it in the backward pass instead of saving it.
+GATHERED = "fsdp_gathered"
 
 # The collective HLO ops XLA's SPMD partitioner can insert (async forms end in "-start").
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "collective-permute", "all-to-all")
@@ -111,7 +117,7 @@ def logical_to_spec(logical_axes: tuple, shape: tuple[int, ...], mesh: Mesh,
 
     A mesh axis is used at most once per array (the first logical dim that claims it wins) and axes of size 1 are
     dropped, so the same rules give clean specs on every mesh shape. A dimension that its mesh axes do not divide
-    is a ValueError naming `name`, the axis and a fix: silent replication would quietly undo tensor parallelism.
+    is a UserError naming `name`, the axis and a fix: silent replication would quietly undo tensor parallelism.
     `mesh` may be a Mesh or an AbstractMesh (only `.shape` is read).
     """
     if len(logical_axes) != len(shape):
@@ -130,7 +136,7 @@ def logical_to_spec(logical_axes: tuple, shape: tuple[int, ...], mesh: Mesh,
         if dim % size:
             sizes = "*".join(f"mesh.{a}={mesh.shape[a]}" for a in axes)
             fits = [n for n in range(1, size) if dim % n == 0]
-            raise ValueError(f"sharding: {name} has {logical}={dim}, which {sizes} does not divide; use a mesh whose "
+            raise UserError(f"sharding: {name} has {logical}={dim}, which {sizes} does not divide; use a mesh whose "
                              f"{'/'.join(axes)} size divides {dim} (e.g. {fits[-1]}), or change the model shape")
         used.update(axes)
         spec.append(axes[0] if len(axes) == 1 else axes)
@@ -222,7 +228,8 @@ def gather_weight(var: nnx.Variable, name: str = "a parameter") -> jax.Array:
     used = compute_spec(stored)
     if used == stored:
         return value
-    return jax.lax.with_sharding_constraint(jax.lax.with_sharding_constraint(value, stored), used)
+    gathered = jax.lax.with_sharding_constraint(jax.lax.with_sharding_constraint(value, stored), used)
+    return checkpoint_name(gathered, GATHERED)  # not saved for the backward pass (model.REMAT_POLICIES)
 
 
 def gather_weights(module: nnx.Module) -> nnx.Module:
