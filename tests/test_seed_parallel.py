@@ -108,5 +108,5 @@ def test_sigkill_mid_run_then_resume_is_bitwise(runs):
 
 def test_resume_with_other_seeds_is_refused(runs):
     root, _, _ = runs
-    with pytest.raises(ValueError, match="different model or seeds.*num_seeds"):
+    with pytest.raises(ValueError, match="other settings: train.num_seeds: run 2, now 3"):
         loop.train(_cfg(root, num_seeds=3), str(root / "par"), progress=False)
