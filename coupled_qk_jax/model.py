@@ -211,15 +211,19 @@ class TransformerLM(nnx.Module):
         x = x.astype(dtype)
         shared = getattr(self, "shared_coupling", None)
         ks, vs = cache["k"], cache["v"]
-        if cfg.scan_layers:  # the cache's layer axis is scanned with the stacked params
+        if cfg.scan_layers:
+            # The whole cache rides in the scan carry and each layer updates its own slice in place: scanning the
+            # cache as xs/ys instead would build a second full cache every step (measured: temp memory 42 MB vs
+            # 9 MB for small's 34 MB cache).
             graphdef, stacked = nnx.split(self.blocks)
 
-            def body(x, xs):
-                params, k, v, idx = xs
-                x, layer = nnx.merge(graphdef, params).decode(x, {"k": k, "v": v}, positions, shared, idx)
-                return x, (layer["k"], layer["v"])
+            def body(carry, xs):
+                x, ks, vs = carry
+                params, idx = xs
+                x, layer = nnx.merge(graphdef, params).decode(x, {"k": ks[idx], "v": vs[idx]}, positions, shared, idx)
+                return (x, ks.at[idx].set(layer["k"]), vs.at[idx].set(layer["v"])), None
 
-            x, (ks, vs) = jax.lax.scan(body, x, (nnx.to_pure_dict(stacked), ks, vs, jnp.arange(cfg.n_layers)))
+            (x, ks, vs), _ = jax.lax.scan(body, (x, ks, vs), (nnx.to_pure_dict(stacked), jnp.arange(cfg.n_layers)))
         else:
             for i, block in enumerate(self.blocks):
                 x, layer = block.decode(x, {"k": ks[i], "v": vs[i]}, positions, shared)

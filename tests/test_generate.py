@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -25,8 +26,8 @@ LENGTHS = np.array([5, 11], np.int32)  # two prompts of different lengths in one
 def tiny_model(variant: str, positions: str, **overrides) -> TransformerLM:
     """A small model whose parameters are all perturbed: f ≠ 0, the affine nets ≠ identity, Δt and λ away from
     their init, so that every QK transform really changes q and k."""
-    cfg = ModelConfig(variant=variant, vocab_size=61, max_len=CACHE, d_model=32, n_layers=2, n_heads=4, d_ff=48,
-                      coupling_hidden=8, affine_hidden=8, positions=positions, **overrides)
+    cfg = ModelConfig(**{**dict(variant=variant, vocab_size=61, max_len=CACHE, d_model=32, n_layers=2, n_heads=4,
+                             d_ff=48, coupling_hidden=8, affine_hidden=8, positions=positions), **overrides})
     model = TransformerLM(cfg, 0)
     graphdef, state = nnx.split(model)
     leaves, tree = jax.tree.flatten(state)
@@ -98,6 +99,25 @@ def test_cached_decoding_coupling_options(overrides):
     model = tiny_model("coupled_leapfrog", "rope", **overrides)
     tokens = np.asarray(jax.random.randint(jax.random.key(3), (2, T), 0, 61), np.int32)
     full, cached = _full_and_cached(model, tokens, LENGTHS)
+    assert_same_logits(cached, full)
+
+
+@pytest.mark.parametrize("variant", ["coupled_euler+differential", "coupled_leapfrog"])
+def test_cached_decoding_with_scanned_layers(variant):
+    """model.scan_layers: the cache's layer axis runs through the layer scan with the stacked params (and
+    differential scoring's λ_init gets the traced layer index). The same weights, stacked, give the same cached
+    logits as the unscanned model's full forward."""
+    from coupled_qk_jax.model import to_scanned
+
+    model = tiny_model(variant, "rope", n_layers=3)
+    cfg = dataclasses.replace(model.cfg, scan_layers=True)
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: TransformerLM(cfg, 0)))
+    scanned = nnx.merge(graphdef, to_scanned(nnx.to_pure_dict(nnx.state(model))))
+    tokens = np.asarray(jax.random.randint(jax.random.key(5), (2, T), 0, 61), np.int32)
+    g, state = nnx.split(model)
+    full = np.asarray(_full(state, g, jnp.asarray(tokens)))  # the unscanned reference
+    scanned_full, cached = _full_and_cached(scanned, tokens, LENGTHS)
+    assert_same_logits(scanned_full, full)
     assert_same_logits(cached, full)
 
 
