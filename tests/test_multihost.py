@@ -188,7 +188,7 @@ _BOOT = ("import runpy, sys; from coupled_qk_jax.distributed import initialize_d
 
 def _train_cmd(workdir: pathlib.Path, corpus: pathlib.Path, cache: pathlib.Path) -> list[str]:
     args = [str(ROOT / "train.py"), "--config=configs/lm.py:coupled_euler,tiny", f"--workdir={workdir}",
-            "--config.model.vocab_size=257", "--config.model.d_model=32", "--config.model.n_layers=2",
+            "--config.model.vocab_size=264", "--config.model.d_model=32", "--config.model.n_layers=2",
             "--config.model.n_heads=4", "--config.model.d_ff=64", "--config.model.max_len=32",
             "--config.model.coupling_hidden=6", f"--config.data.corpus=text_dir:{corpus}",
             "--config.data.tokenizer=byte", "--config.data.seq_len=32", "--config.data.split_fractions=0.6,0.2,0.2",
