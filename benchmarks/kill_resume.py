@@ -99,7 +99,7 @@ def main() -> int:
     ap.add_argument("--workdir", default="/tmp/kill_resume")
     args = ap.parse_args()
     rng = random.Random(args.seed)
-    base = base_dir = os.path.abspath(args.workdir)
+    base = os.path.abspath(args.workdir)
     shutil.rmtree(base, ignore_errors=True)
     write_corpus(os.path.join(base, "corpus"))
     cmd = flags(base, args.steps, args.every)
@@ -132,12 +132,12 @@ def main() -> int:
             if rng.random() < 0.2:  # during start-up / restore
                 time.sleep(rng.uniform(0.5, 8.0))
             else:  # a few steps past the checkpoint this start resumes from, so that 20 kills fit in one run
-                base = newest_checkpoint(run)
-                target = min(base + rng.randint(1, 2 * args.every), args.steps - 1)
-                log_path = os.path.join(base_dir, f"start{starts - 1}.log")
+                resume_at = newest_checkpoint(run)
+                target = min(resume_at + rng.randint(1, 2 * args.every), args.steps - 1)
+                log_path = os.path.join(base, f"start{starts - 1}.log")
                 # Rows logged by the previous start past its checkpoint are dropped only once this start has
                 # restored: wait for its "resuming" line (and a moment for the truncation) before counting.
-                while base and proc.poll() is None and "resuming from" not in open(log_path).read():
+                while resume_at and proc.poll() is None and "resuming from" not in open(log_path).read():
                     time.sleep(0.05)
                 time.sleep(1.0)
                 while proc.poll() is None and logged_steps(run) < target:
