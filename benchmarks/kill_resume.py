@@ -85,6 +85,13 @@ def logged_steps(workdir: str) -> int:
     return max((s for s, rs in read_rows(workdir).items() if any("train_loss" in r for r in rs)), default=0)
 
 
+def inode(path: str) -> int | None:
+    try:
+        return os.stat(path).st_ino
+    except FileNotFoundError:
+        return None
+
+
 def newest_checkpoint(workdir: str) -> int:
     d = os.path.join(workdir, "checkpoints")
     return max((int(x) for x in os.listdir(d) if x.isdigit()), default=0) if os.path.isdir(d) else 0
@@ -125,6 +132,8 @@ def main() -> int:
     while True:
         finishing = kills >= args.kills or newest_checkpoint(run) >= args.steps - 2
         log = open(os.path.join(base, f"start{starts}.log"), "w")
+        metrics = os.path.join(run, "metrics.jsonl")
+        before = inode(metrics)
         proc = subprocess.Popen([sys.executable, *cmd, f"--workdir={run}"], cwd=ROOT, env=env(), stdout=log,
                                 stderr=subprocess.STDOUT, text=True)
         starts += 1
@@ -134,12 +143,10 @@ def main() -> int:
             else:  # a few steps past the checkpoint this start resumes from, so that 20 kills fit in one run
                 resume_at = newest_checkpoint(run)
                 target = min(resume_at + rng.randint(1, 2 * args.every), args.steps - 1)
-                log_path = os.path.join(base, f"start{starts - 1}.log")
-                # Rows logged by the previous start past its checkpoint are dropped only once this start has
-                # restored: wait for its "resuming" line (and a moment for the truncation) before counting.
-                while resume_at and proc.poll() is None and "resuming from" not in open(log_path).read():
-                    time.sleep(0.05)
-                time.sleep(1.0)
+                # Rows the previous start logged past its checkpoint are dropped when this start opens the log
+                # (metrics.jsonl is rewritten, a new inode): count rows only after that.
+                while proc.poll() is None and inode(metrics) == before:
+                    time.sleep(0.02)
                 while proc.poll() is None and logged_steps(run) < target:
                     time.sleep(0.01)
                 time.sleep(rng.uniform(0.0, 0.05))
