@@ -126,8 +126,12 @@ def main() -> int:
     pending_check: int | None = None  # the step the previous start resumed from (checked when it ends)
 
     def check_segment(resumed_from: int) -> bool:
+        """Every step logged after the resume equals the uninterrupted run's; the newest logged step is left out
+        when the start was killed (it may lack its validation row, which the next start rewrites)."""
         rows = read_rows(run)
-        return all(rows[s] == reference.get(s) for s in rows if s > resumed_from)
+        newest = max(rows, default=0)
+        return all(rows[s] == reference.get(s) for s in rows if resumed_from < s < newest or
+                   (s == newest and newest == args.steps))
 
     while True:
         finishing = kills >= args.kills or newest_checkpoint(run) >= args.steps - 2
