@@ -22,7 +22,6 @@ folder that looks complete. The round trip is exact: the loaded model's paramete
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -35,6 +34,7 @@ import numpy as np
 from flax import nnx
 
 from coupled_qk_jax.config import ModelConfig
+from coupled_qk_jax.data.token_cache import file_sha256
 from coupled_qk_jax.data.tokenizer import BPETokenizer, ByteTokenizer, Tokenizer
 from coupled_qk_jax.errors import UserError
 
@@ -56,14 +56,6 @@ def flatten_params(params: Any) -> dict[str, np.ndarray]:
     """``{dotted name: host array}`` of a params pytree (``nnx.to_pure_dict`` of the model, as checkpoints hold it)."""
     leaves = jax.tree_util.tree_flatten_with_path(params)[0]
     return {_name(p): np.asarray(jax.device_get(x)) for p, x in leaves}
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 # -- writing ---------------------------------------------------------------------------------------------------------
@@ -96,7 +88,7 @@ def write_export(out: str | os.PathLike[str], params: Any, config: dict[str, Any
         "tokenizer": {"kind": tokenizer.kind, "vocab_size": int(tokenizer.vocab_size), "eot_id": int(tokenizer.eot_id),
                       "file": TOKENIZER if TOKENIZER in files else None},
         "parameters": {"count": int(sum(v.size for v in tensors.values())), "tensors": len(tensors)},
-        "sha256": {f: _sha256(tmp / f) for f in files},
+        "sha256": {f: file_sha256(tmp / f) for f in files},
     }
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     if out.exists():
@@ -132,7 +124,7 @@ def _read_manifest(d: Path) -> dict[str, Any]:
     for f, digest in manifest.get("sha256", {}).items():
         if not (d / f).is_file():
             raise ExportError(f"{d / f} is missing; export again")
-        if _sha256(d / f) != digest:
+        if file_sha256(d / f) != digest:
             raise ExportError(f"{d / f} is corrupt (its SHA-256 differs from {MANIFEST}); export again")
     return manifest
 

@@ -284,7 +284,8 @@ def find_token_cache(corpus: CorpusSpec | str | dict[str, Any], cache_dir: str |
 
 
 # -- data fingerprint ------------------------------------------------------------------------------------------------
-def _file_sha256(path: Path) -> str:
+def file_sha256(path: str | os.PathLike[str]) -> str:
+    """SHA-256 of a file's bytes, read in 1 MiB blocks."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -303,14 +304,14 @@ def source_contents(corpus: CorpusSpec | str | dict[str, Any]) -> dict[str, Any]
     spec = CorpusSpec.coerce(corpus)
     if spec.kind in ("stdlib", "text_dir"):
         root, files = all_files(spec)
-        entries = [[f, (root / f).stat().st_size, _file_sha256(root / f), split_of(f, spec.split_fractions)]
+        entries = [[f, (root / f).stat().st_size, file_sha256(root / f), split_of(f, spec.split_fractions)]
                    for f in files]
         return {"kind": spec.kind, "files": entries}
     if spec.kind == "wikitext103":
         from coupled_qk_jax.data.corpora import _wikitext_paths  # noqa: PLC0415 - the reader's own file lookup
 
         paths = _wikitext_paths(spec)
-        return {"kind": spec.kind, "files": [[p.name, p.stat().st_size, _file_sha256(p), split]
+        return {"kind": spec.kind, "files": [[p.name, p.stat().st_size, file_sha256(p), split]
                                              for split, p in paths.items()]}
     if spec.kind == "hf":
         local = hf_local_path(spec)
@@ -318,7 +319,7 @@ def source_contents(corpus: CorpusSpec | str | dict[str, Any]) -> dict[str, Any]
             return {"kind": "hf", "name": spec.name, "config": spec.config}
         files = [local] if local.is_file() else sorted(p for p in local.rglob("*") if p.is_file())
         return {"kind": "hf", "files": [[p.name if p == local else p.relative_to(local).as_posix(),
-                                         p.stat().st_size, _file_sha256(p), "*"] for p in files]}
+                                         p.stat().st_size, file_sha256(p), "*"] for p in files]}
     return {"kind": "mixture", "sources": [[source_contents(sub), w] for sub, w in spec.sources]}
 
 
