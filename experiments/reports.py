@@ -88,6 +88,7 @@ def lm_rows(results: dict[str, dict[str, Any]], target_ppl: float | None, target
         base = [b for b in rows if b["group"] == row["group"] and b["variant"] == "standard"
                 and b["steps"] == row["steps"]]
         row["paired_rel_pct_mean"] = row["paired_rel_pct_std"] = float("nan")
+        row["paired_rel_pct_ci_lo"] = row["paired_rel_pct_ci_hi"] = float("nan")
         if base:
             row["rel_to_standard_pct"] = 100.0 * (row["val_ppl_mean"] / base[0]["val_ppl_mean"] - 1.0)
             # Paired by seed: seed s of both runs saw the same data in the same order and shared initial weights,
@@ -97,7 +98,41 @@ def lm_rows(results: dict[str, dict[str, Any]], target_ppl: float | None, target
             if len(mine) == len(ref) and lm[row["run"]]["seeds"] == lm[base[0]["run"]]["seeds"]:
                 rel = [100.0 * (a / b - 1.0) for a, b in zip(mine, ref)]
                 row["paired_rel_pct_mean"], row["paired_rel_pct_std"] = mean_std(rel)
+                if row["run"] != base[0]["run"]:
+                    row["paired_rel_pct_ci_lo"], row["paired_rel_pct_ci_hi"] = t_interval(rel)
+    # Seed variance against coupled Euler's in the same group (the paper: MLP-only has 8x coupled's), with the 95%
+    # interval of a ratio of two normal variances (F distribution).
+    for row in rows:
+        row["var_ratio_vs_coupled"] = row["var_ratio_ci_lo"] = row["var_ratio_ci_hi"] = float("nan")
+        ref = [b for b in rows if b["group"] == row["group"] and b["variant"] == "coupled_euler"
+               and b["steps"] == row["steps"] and b["run"] != row["run"]]
+        if ref and row["seeds"] > 1 and ref[0]["seeds"] > 1:
+            row["var_ratio_vs_coupled"], row["var_ratio_ci_lo"], row["var_ratio_ci_hi"] = variance_ratio(
+                [float(x) for x in row["val_ppl_seeds"].split()], [float(x) for x in ref[0]["val_ppl_seeds"].split()])
     return rows
+
+
+def t_interval(values: list[float], level: float = 0.95) -> tuple[float, float]:
+    """The two-sided Student-t confidence interval of the mean of `values` (nan for fewer than 2 values)."""
+    from scipy import stats  # noqa: PLC0415
+
+    a = np.asarray(values, np.float64)
+    if a.size < 2:
+        return float("nan"), float("nan")
+    h = stats.t.ppf(0.5 + level / 2, a.size - 1) * a.std(ddof=1) / math.sqrt(a.size)
+    return float(a.mean() - h), float(a.mean() + h)
+
+
+def variance_ratio(a: list[float], b: list[float], level: float = 0.95) -> tuple[float, float, float]:
+    """var(a) / var(b) (sample variances) and its confidence interval: ratio / F(1-q; na-1, nb-1) ..
+    ratio / F(q; na-1, nb-1) with q = (1 - level) / 2 (normal samples)."""
+    from scipy import stats  # noqa: PLC0415
+
+    va, vb = np.var(a, ddof=1), np.var(b, ddof=1)
+    if vb == 0:
+        return float("nan"), float("nan"), float("nan")
+    r, q, da, db = float(va / vb), (1 - level) / 2, len(a) - 1, len(b) - 1
+    return r, r / float(stats.f.ppf(1 - q, da, db)), r / float(stats.f.ppf(q, da, db))
 
 
 def tokens_to_target(r: dict[str, Any], seed_index: int, log_target: float) -> float | None:
@@ -123,6 +158,9 @@ def _diag_means(r: dict[str, Any]) -> dict[str, float]:
                           if reps and all(k in d["model_mean"] for d in reps) else float("nan")) for k in DIAG_KEYS}
 
 
+JUMP_LEVEL = 0.5  # MQAR: accuracy that marks the recall transition (the plateau before it: ~0.25 at easy)
+
+
 def mqar_rows(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     rows = []
     for n, r in results.items():
@@ -130,19 +168,32 @@ def mqar_rows(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
             continue
         m, s = mean_std(r["accuracy"][-1])
         best = [max(a[i] for a in r["accuracy"]) for i in range(len(r["seeds"]))]
+        jumps = [jump_epoch(r["epochs"], [a[i] for a in r["accuracy"]]) for i in range(len(r["seeds"]))]
+        # plateau check: the change of seed-mean accuracy over the last quarter of the evaluated epochs
+        k = next(j for j, ep in enumerate(r["epochs"]) if ep >= 0.75 * r["epochs"][-1])
         bm, bs = mean_std(best)
         rows.append({"level": r["level"], "run": n, "variant": r["run"]["variant"], "epochs": r["epochs"][-1],
                      "seeds": len(r["seeds"]), "params": r["num_params"], "accuracy_mean": m, "accuracy_std": s,
                      "accuracy_seeds": " ".join(f"{a:.3f}" for a in r["accuracy"][-1]),
                      "best_accuracy_mean": bm, "best_accuracy_std": bs,
+                     "jump_epoch_seeds": " ".join("-" if j is None else str(j) for j in jumps),
+                     "last_quarter_change": m - float(np.mean(r["accuracy"][k])),
                      "valid_loss_mean": mean_std(r["valid_loss"][-1])[0], "train_seconds": r["train_seconds"],
                      **_diag_means(r)})
     return rows
 
 
+def jump_epoch(epochs: list[int], accuracy: list[float], level: float = JUMP_LEVEL) -> int | None:
+    """The first evaluated epoch whose accuracy is at least `level` (None if none is)."""
+    return next((int(e) for e, a in zip(epochs, accuracy) if a >= level), None)
+
+
 LM_COLUMNS = [("run", "run"), ("variant", "variant"), ("steps", "steps"), ("seeds", "seeds"), ("params", "params"),
               ("val_ppl_mean", "val ppl (mean)"), ("val_ppl_std", "± std"), ("rel_to_standard_pct", "vs standard %"),
               ("paired_rel_pct_mean", "paired Δ% vs std. (mean"), ("paired_rel_pct_std", "std over seeds)"),
+              ("paired_rel_pct_ci_lo", "paired Δ% 95% CI (lo"), ("paired_rel_pct_ci_hi", "hi)"),
+              ("var_ratio_vs_coupled", "seed var / coupled's"), ("var_ratio_ci_lo", "95% CI (lo"),
+              ("var_ratio_ci_hi", "hi)"),
               ("target_ppl", "target ppl"), ("tokens_to_target_mean", "tokens to target (mean)"),
               ("seeds_reaching_target", "seeds reaching"), ("train_seconds", "wall s (all seeds)"),
               ("tokens_per_s_all_seeds", "tok/s (all seeds)")]
@@ -153,6 +204,8 @@ DIAG_COLUMNS = [("run", "run"), ("diag_effective_rank", "attn eff. rank"),
 MQAR_COLUMNS = [("level", "level"), ("variant", "variant"), ("epochs", "epochs"), ("seeds", "seeds"),
                 ("params", "params"), ("accuracy_mean", "accuracy (mean)"), ("accuracy_std", "± std"),
                 ("accuracy_seeds", "per seed"), ("best_accuracy_mean", "best-epoch acc (mean)"),
+                ("jump_epoch_seeds", "epoch reaching 0.5 (per seed)"),
+                ("last_quarter_change", "Δ acc over last quarter"),
                 ("valid_loss_mean", "valid loss"), ("train_seconds", "wall s (all seeds)")]
 
 
@@ -256,7 +309,9 @@ def report(results: dict[str, dict[str, Any]], out: Path, command: str, target_p
     if lmr:
         md += ["Validation perplexity over the whole validation split (size and corpus under each table), mean ± "
                "sample std over seeds; 'paired Δ%' is the per-seed change against standard attention trained with the "
-               "same seed (same data order, same shared initial weights); 'tokens to target' is per seed, "
+               "same seed (same data order, same shared initial weights), with its 95% paired-t interval over seeds; "
+               "'seed var / coupled's' is the ratio of the sample variances of final perplexity against coupled "
+               "Euler's, with its 95% F interval; 'tokens to target' is per seed, "
                "interpolated between evaluations; wall-clock excludes compilation and evaluation and is shared by all "
                "seeds of a run (they train as one program on a CPU shared with other jobs, so it is noisy).", ""]
         groups = sorted({r["group"] for r in lmr}, key=[r["group"] for r in lmr].index)
@@ -273,7 +328,9 @@ def report(results: dict[str, dict[str, Any]], out: Path, command: str, target_p
                    markdown_table(lmr, DIAG_COLUMNS), ""]
     if mqr:
         md += ["## MQAR", "", "Accuracy = zoology's valid/accuracy (mean over test examples of the per-example "
-               "fraction of correctly recalled values) at the last epoch; mean ± sample std over seeds.", "",
+               "fraction of correctly recalled values) at the last epoch; mean ± sample std over seeds. 'epoch "
+               f"reaching {JUMP_LEVEL:g}': the first evaluated epoch at or above it (the recall jump; '-' = never); "
+               "'Δ acc over last quarter': last minus the evaluation at 75% of the epochs (near 0 = plateau).", "",
                markdown_table(mqr, MQAR_COLUMNS), ""]
         if any(not math.isnan(r["diag_effective_rank"]) for r in mqr):
             md += [f"Attention diagnostics after training (first {DIAG_WINDOWS} test examples, averaged over seeds; "

@@ -123,6 +123,16 @@ def test_tokens_to_target_interpolates():
     assert reports.tokens_to_target(r, 0, 0.5) is None
 
 
+def test_paired_interval_variance_ratio_and_jump_epoch_hand_values():
+    # [1, 2, 3]: mean 2, sample std 1, t_0.975(2) = 4.302653 (tables)
+    lo, hi = reports.t_interval([1.0, 2.0, 3.0])
+    assert (lo, hi) == pytest.approx((2 - 4.302653 / math.sqrt(3), 2 + 4.302653 / math.sqrt(3)), rel=1e-6)
+    # variances 1 and 4; F(2, 2) has cdf x / (1 + x), so its 0.975 quantile is 39 and its 0.025 quantile 1/39
+    r, lo, hi = reports.variance_ratio([1.0, 2.0, 3.0], [0.0, 2.0, 4.0])
+    assert (r, lo, hi) == pytest.approx((0.25, 0.25 / 39, 0.25 * 39), rel=1e-6)
+    assert reports.jump_epoch([2, 4, 6], [0.25, 0.5, 0.9]) == 4 and reports.jump_epoch([2], [0.3]) is None
+
+
 @pytest.mark.parametrize("name", list("abcdeh"))
 def test_recipes_build(name, tmp_path):
     runs = sweep.recipe(name, scale="mini", steps=100, seeds=3)
