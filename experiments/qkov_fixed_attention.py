@@ -69,10 +69,11 @@ def job_paths(out: str, work: str, ov: str) -> dict[str, str]:
             "ckpt": os.path.join(work, f"fixed_{ov}.npz"), "hist": os.path.join(work, f"fixed_{ov}_eval.json")}
 
 
-def run_job(ov: str, out: str, work: str, eval_batches: int, ckpt_every: int = 10, log=print) -> None:
+def run_job(ov: str, out: str, work: str, eval_batches: int, ckpt_every: int = 10, log=print) -> bool:
+    """Train and evaluate one OV type unless its result file exists; returns whether it ran."""
     paths = job_paths(out, work, ov)
     if os.path.exists(paths["json"]):
-        return
+        return False
     os.makedirs(os.path.dirname(paths["csv"]), exist_ok=True)
     os.makedirs(work, exist_ok=True)
     cfg = to_train_config(get_config(OV_TYPES[ov]))
@@ -131,6 +132,7 @@ def run_job(ov: str, out: str, work: str, eval_batches: int, ckpt_every: int = 1
         if os.path.exists(p):
             os.remove(p)
     log(f"[fixed {ov}] done in {res.seconds:.0f}s; final losses {meta['final_loss']}")
+    return True
 
 
 def main(argv=None) -> int:

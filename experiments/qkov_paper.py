@@ -9,8 +9,9 @@ Order (each step skips what is already finished, so rerunning this command resum
 4. the remaining seeds of those cells;
 5. the CACO seq_len-128 rates the notebook lists as tried but does not plot (x2, x3, x4, x10), all seeds.
 
-After every job the tables are rewritten by experiments/qkov_report.py, run as a subprocess so that a report error
-is printed without stopping the queue. Meant to run in the background on a shared machine:
+After every job that ran (and once at the end) the tables are rewritten by experiments/qkov_report.py, run as a
+subprocess so that a report error is printed without stopping the queue. Meant to run in the background on a shared
+machine:
 
     nohup nice -n 19 python experiments/qkov_paper.py > runs/qkov/queue.log 2>&1 &
 """
@@ -53,22 +54,24 @@ def main(argv=None) -> int:
             log(f"qkov_report.py exited {r.returncode}; the queue goes on")
 
     t0 = time.time()
+    # The tables are rewritten after each job that ran (a resumed queue skips its finished jobs without a report).
     for cell in CONSTANT:
-        synth.run_cells([cell], "first", args.out, args.work, log=log)
-        report()
+        if synth.run_cells([cell], "first", args.out, args.work, log=log):
+            report()
     for ov in fixed.OV_TYPES:
-        fixed.run_job(ov, args.out, args.work, args.eval_batches, log=log)
-        report()
+        if fixed.run_job(ov, args.out, args.work, args.eval_batches, log=log):
+            report()
     for cell in RAMPS:
-        synth.run_cells([cell], "first", args.out, args.work, log=log)
-        report()
+        if synth.run_cells([cell], "first", args.out, args.work, log=log):
+            report()
     for cell in REST:
-        synth.run_cells([cell], "rest", args.out, args.work, log=log)
-        report()
+        if synth.run_cells([cell], "rest", args.out, args.work, log=log):
+            report()
     for which in ("first", "rest"):
         for cell in EXTRA:
-            synth.run_cells([cell], which, args.out, args.work, log=log)
-            report()
+            if synth.run_cells([cell], which, args.out, args.work, log=log):
+                report()
+    report()
     log(f"queue finished in {time.time() - t0:.0f}s")
     return 0
 

@@ -218,6 +218,10 @@ COMPARISONS = [
     ("increasing QK rate sharpens CACO attention (x1->x10 ramp vs x1, seq_len 128)", "caco128_incr10", "caco128_r1"),
     ("collapsed OV concentrates more than factorised OV (FACO vs FAFO, row 1)", "faco_r1", "fafo_r1"),
     ("collapsed OV concentrates more than factorised OV (CACO vs CAFO, row 1)", "caco_r1", "cafo_r1"),
+    # Contribution 2 of the summary: at identical rates factorised attention can be sharper than collapsed attention
+    # (row 1, each cell with the paper's own init).
+    ("factorised attention concentrates more than collapsed attention (FACO vs CACO, row 1)", "faco_r1", "caco_r1"),
+    ("factorised attention concentrates more than collapsed attention (FAFO vs CAFO, row 1)", "fafo_r1", "cafo_r1"),
 ]
 
 
@@ -280,6 +284,15 @@ def fixed_table(out: str, work: str, ref: dict) -> tuple[list[dict], list[str]]:
                      f"{meta['job_seconds']:.0f} s wall" + (f", {meta['job_cpu_seconds']:.0f} CPU-s"
                                                            if "job_cpu_seconds" in meta else ""))
     return rows, notes
+
+
+def fixed_verdict(frows: list[dict], ov: str) -> str:
+    """'reproduces** (...)' / 'does not reproduce** (...)' for one OV type of Figure 3 (rule in fixed_attention.md)."""
+    sel = [r for r in frows if r["ov"] == ov]
+    within = all(0.5 <= r["ratio"] <= 2.0 for r in sel)
+    mono = all(sel[i]["_final"] > sel[i + 1]["_final"] for i in range(len(sel) - 1))
+    return (f"{'reproduces' if within and mono else 'does not reproduce'}** (final losses within x2: {within}; "
+            f"loss falls with alpha: {mono})")
 
 
 def plot_curves(out: str, runs: dict) -> None:
@@ -428,10 +441,7 @@ def main(argv=None) -> int:
             for ov in ("factorised", "collapsed"):
                 sel = [r for r in frows if r["ov"] == ov]
                 if sel:
-                    within = all(0.5 <= r["ratio"] <= 2.0 for r in sel)
-                    mono = all(sel[i]["_final"] > sel[i + 1]["_final"] for i in range(len(sel) - 1))
-                    fh.write(f"\n**{ov}: {'reproduces' if within and mono else 'does not reproduce'}** "
-                             f"(final losses within x2: {within}; loss falls with alpha: {mono})\n")
+                    fh.write(f"\n**{ov}: {fixed_verdict(frows, ov)}\n")
                     pk = [(r["alpha"], r["sens_peak"]) for r in sel if "sens_peak" in r]
                     ours_ep = [int(p.split("epoch ")[1]) for _, p in pk]
                     theirs_ep = [ref["fixed_attention"]["sensitivity_read_off_plots"][ov]["peak"][a][0] for a, _ in pk]
@@ -465,13 +475,32 @@ def main(argv=None) -> int:
                  f"- Resume everything, keeping all finished work: `mkdir -p runs/qkov && nohup {RESUME} > "
                  f"runs/qkov/queue.log 2>&1 &` from the repository root (a job with a checkpoint in runs/qkov/ "
                  f"continues from it; without one it restarts).\n\n")
-        fh.write("## Verdicts\n\n")
-        fh.write(md_table([{"cell": r["cell"], "seeds done": f"{r['seeds_done']}/{r['paper_seeds']}",
-                            "distinct mass": r.get("distinct_mass", "-"), "DTAP modal": r.get("dtap_modal", "-"),
-                            "verdict": r["verdict"]} for r in table],
-                          ["cell", "seeds done", "distinct mass", "DTAP modal", "verdict"]))
-        fh.write("\n" + md_table(comp, ["claim", "seeds", "difference", "verdict"]))
-        fh.write("\nFigure 3: " + "; ".join(notes) + " (see fixed_attention.md).\n\n")
+        fh.write("## Verdicts\n\nEvery cell is one command: `python experiments/qkov_synthetic.py --cells CELL "
+                 "--seeds first` then `--seeds rest` (the queue above runs them all in that order). Budget = epochs "
+                 "x batches of 32 per seed (the paper's, from the notebooks); `paper reports` = the paper summary's "
+                 "statement "
+                 "(`shared/seeds`) and the released notebook's saved output; `ours` = seed-mean test distinct-token "
+                 "mass (uniform attention: 0.35), the largest DTAP cell and test accuracy. Rules: synthetic.md.\n\n")
+        fh.write(md_table([{"cell": r["cell"], "setup (budget)": r["setup"],
+                            "seeds": f"{r['seeds_done']}/{r['paper_seeds']}"
+                                     + (f" ({r['seeds']})" if r.get("seeds") else ""),
+                            "paper reports": r["paper_reports"],
+                            "ours": (f"mass {r['distinct_mass']}; {r['dtap_modal']}; acc {r['acc']}"
+                                     if r["seeds_done"] else "-"),
+                            "verdict": r["verdict"], "commit": r.get("commit", "-")} for r in table],
+                          ["cell", "setup (budget)", "seeds", "paper reports", "ours", "verdict", "commit"]))
+        fh.write("\nClaims that compare cells (difference of seed-mean test distinct-token mass, 95% Welch "
+                 "interval; commits and budgets as in the rows above):\n\n")
+        fh.write(md_table(comp, ["claim", "seeds", "difference", "verdict"]))
+        fh.write("\nFigure 3 (fixed attention, OV only; 500 epochs x 250 batches of 4 x 32, seed 1234, command "
+                 "`python experiments/qkov_fixed_attention.py --ov OV --eval-batches 200`; the paper: the "
+                 "notebooks' printed final losses): " + "; ".join(notes) + ".\n")
+        for ov in ("factorised", "collapsed"):
+            if any(r["ov"] == ov for r in frows):
+                fh.write(f"- {ov}: **{fixed_verdict(frows, ov)}; final loss at alpha 0.2 / 1.0: "
+                         + " / ".join(f"{r['final_loss']} vs {r['paper_final_loss']}" for r in frows
+                                      if r["ov"] == ov and r["alpha"] in ("0.2", "1.0")) + " (ours vs notebook)\n")
+        fh.write("\n")
         fh.write("## Compute spent\n\nCPU-minutes (user + sys, all threads) of the finished jobs, at nice 19 on a "
                  "shared 2-core machine; a job marked * lacks part of its record (wall minutes used, or resumed "
                  "after a kill), so its figure is approximate.\n\n")

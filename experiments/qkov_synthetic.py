@@ -194,8 +194,10 @@ def run_job(cell: str, seeds: tuple[int, ...], out: str, work: str, ckpt_every: 
     return rows
 
 
-def run_cells(cells: list[str], which: str, out: str, work: str, ckpt_every: int = 10, log=print) -> None:
-    """Run the missing seeds of each cell. which: 'first' (the cell's first seed), 'rest' (the others), 'all'."""
+def run_cells(cells: list[str], which: str, out: str, work: str, ckpt_every: int = 10, log=print) -> bool:
+    """Run the missing seeds of each cell. which: 'first' (the cell's first seed), 'rest' (the others), 'all'.
+    Returns whether any job ran (False: every picked seed already had its result file)."""
+    ran = False
     for cell in cells:
         seeds = cell_config(cell).seeds
         pick = {"first": seeds[:1], "rest": seeds[1:], "all": seeds}[which]
@@ -204,6 +206,8 @@ def run_cells(cells: list[str], which: str, out: str, work: str, ckpt_every: int
             t0 = time.time()
             run_job(cell, todo, out, work, ckpt_every, log)
             log(f"[{cell}] job done in {time.time() - t0:.0f}s")
+            ran = True
+    return ran
 
 
 def main(argv=None) -> int:
