@@ -1,6 +1,6 @@
 """Seed-parallel vs sequential training throughput through the real training loop (`training/loop.py`).
 
-    python benchmarks/bench_seeds.py --seeds 1,3,5 --steps 40 --out benchmarks/results/cpu_tiny_seed_axis
+    python benchmarks/bench_seeds.py --seeds 1,3,5 --steps 40 --repeats 2 --out benchmarks/results/cpu_tiny_seed_axis
 
 For each S it trains, at the `tiny` scale of configs/lm.py (or --scale):
 
@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -63,6 +64,7 @@ def main() -> None:
     p.add_argument("--corpus", default="stdlib")
     p.add_argument("--tokenizer", default="bpe")
     p.add_argument("--cache-dir", default="~/.cache/coupled_qk_jax")
+    p.add_argument("--repeats", type=int, default=2, help="measurements per side, order alternated (A B B A)")
     p.add_argument("--out", required=True, help="output path without suffix")
     args = p.parse_args()
 
@@ -72,15 +74,28 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as root:
         for S in (int(x) for x in args.seeds.split(",")):
-            par = run(bench_config(args, S, 0), root, f"par{S}")
-            seq = [run(bench_config(args, 1, i), root, f"seq{S}_{i}") for i in range(S)]
-            # total tokens / total time over the S sequential runs (each timed like the parallel one)
-            tokens = sum(r["tokens_per_second"] * r["train_seconds"] for r in seq)
-            seq_tps = tokens / sum(r["train_seconds"] for r in seq)
-            rows.append({"S": S, "parallel_tokens_per_s": par["tokens_per_second"], "sequential_tokens_per_s": seq_tps,
-                         "ratio": par["tokens_per_second"] / seq_tps, "parallel": par, "sequential": seq})
-            print(f"S={S}: parallel {par['tokens_per_second']:,.0f} tok/s, sequential {seq_tps:,.0f} tok/s, "
-                  f"ratio {rows[-1]['ratio']:.2f}", flush=True)
+            # Order-balanced (A B B A ...): whichever side runs first in a process pays more of its warm-up (at S=1
+            # both sides are the same program, so their ratio shows that bias). Each side's figure is the median
+            # over --repeats measurements.
+            pars, seqs = [], []
+            for rep in range(args.repeats):
+                order = ("par", "seq") if rep % 2 == 0 else ("seq", "par")
+                for side in order:
+                    if side == "par":
+                        pars.append(run(bench_config(args, S, 0), root, f"par{S}_{rep}"))
+                    else:
+                        seq = [run(bench_config(args, 1, i), root, f"seq{S}_{rep}_{i}") for i in range(S)]
+                        # total tokens / total time over the S sequential runs (each timed like the parallel one)
+                        tokens = sum(r["tokens_per_second"] * r["train_seconds"] for r in seq)
+                        seqs.append({"tokens_per_second": tokens / sum(r["train_seconds"] for r in seq), "runs": seq})
+            par_tps = statistics.median(r["tokens_per_second"] for r in pars)
+            seq_tps = statistics.median(r["tokens_per_second"] for r in seqs)
+            rows.append({"S": S, "parallel_tokens_per_s": par_tps, "sequential_tokens_per_s": seq_tps,
+                         "ratio": par_tps / seq_tps, "parallel": pars, "sequential": seqs})
+            print(f"S={S}: parallel {par_tps:,.0f} tok/s, sequential {seq_tps:,.0f} tok/s, "
+                  f"ratio {rows[-1]['ratio']:.2f} (per repeat: parallel "
+                  f"{', '.join(format(r['tokens_per_second'], ',.0f') for r in pars)}; sequential "
+                  f"{', '.join(format(r['tokens_per_second'], ',.0f') for r in seqs)})", flush=True)
     result = {"command": "python benchmarks/bench_seeds.py " + " ".join(sys.argv[1:]), "scale": args.scale,
               "variant": args.variant, "steps": args.steps, "corpus": args.corpus, "tokenizer": args.tokenizer,
               "jax": jax.__version__, "devices": [str(d) for d in jax.devices()], "load_before": load_before,
@@ -90,6 +105,7 @@ def main() -> None:
     lines = [f"# Seed-parallel vs sequential ({args.scale}, {args.variant}, {args.steps} steps)", "",
              f"`{result['command']}`; jax {jax.__version__}, {len(jax.devices())} {jax.devices()[0].platform} "
              f"device(s); load average before {load_before[0]:.1f}, after {result['load_after'][0]:.1f}.", "",
+             "Each figure is the median of --repeats order-balanced measurements (A B B A).", "",
              "| S | seed-parallel tok/s | S sequential runs tok/s | ratio |", "| --- | --- | --- | --- |"]
     lines += [f"| {r['S']} | {r['parallel_tokens_per_s']:,.0f} | {r['sequential_tokens_per_s']:,.0f} | "
               f"{r['ratio']:.2f} |" for r in rows]
