@@ -31,11 +31,26 @@ from coupled_qk_jax.precision import add_bias
 
 Array = jax.Array
 
+
+def _save_all_but_gathered(prim, *_, **params) -> bool:
+    """The "none" remat policy: every residual is saveable except the FSDP-gathered weights.
+
+    sharding.gather_weight is two layout constraints and a checkpoint_name(GATHERED): neither the named value nor the
+    constraints' outputs may be saved (saving the outer constraint's output would keep the gathered weight all the
+    same), so the backward pass re-gathers from the stored shard. Activation constraints are identities whose input
+    is saved instead. Written out because jax.checkpoint_policies.save_anything_except_these_names ignores its names
+    (on jax 0.10.2 it is `lambda *_, **__: True`): with it every layer's gathered weights were saved, a full copy of
+    the stacked weights on every device (docs/scaling.md, "Memory of the 350m train step")."""
+    if prim.name == "name":
+        return params.get("name") != shd.GATHERED
+    return prim.name != "sharding_constraint"
+
+
 REMAT_POLICIES = {
     # Every block runs under jax.checkpoint with one of these. "none" saves every residual except the weights that
     # FSDP gathered (sharding.GATHERED): the backward pass re-gathers them instead of keeping a full copy of every
     # layer's weights alive from the forward pass (ZeRO-3). Without a mesh there is nothing gathered and it saves all.
-    "none": jax.checkpoint_policies.save_anything_except_these_names(shd.GATHERED),
+    "none": _save_all_but_gathered,
     "full": None,  # save nothing but the block input: recompute the whole block in the backward pass
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
     "nothing_saveable": jax.checkpoint_policies.nothing_saveable,

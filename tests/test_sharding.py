@@ -8,8 +8,10 @@ Runs in one process with the 8 CPU devices that conftest.py sets up. The model i
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import io
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 from coupled_qk_jax import dynamics
 from coupled_qk_jax import sharding as shd
 from coupled_qk_jax.config import ALL_VARIANTS, ModelConfig
-from coupled_qk_jax.model import TransformerLM, to_scanned, to_unscanned
+from coupled_qk_jax.model import REMAT_POLICIES, Block, TransformerLM, _run_block_output, to_scanned, to_unscanned
 from coupled_qk_jax.training import steps
 
 TINY = dict(vocab_size=64, max_len=16, d_model=32, n_layers=2, n_heads=4, d_ff=64, coupling_hidden=8,
@@ -321,6 +323,26 @@ def test_per_layer_fsdp_gather_keeps_loss_and_grads(scan):
     embed = TINY["vocab_size"] * TINY["d_model"] // 2
     # An async all-gather-start's tuple holds operand + result: 1.25x a gathered weight on fsdp=4.
     assert max(gathers) <= 1.25 * max(embed, one_layer_wq), gathers
+
+
+def test_gathered_weights_are_not_saved_for_the_backward_pass():
+    """ZeRO-3 keeps only a weight's stored shard between the forward and the backward pass: under an fsdp mesh a
+    block run with the default remat policy (model.remat="none") saves no gathered weight. Every weight-shaped
+    residual is the block's argument (the shard the step holds anyway) and the backward pass re-gathers it. (jax's
+    save_anything_except_these_names ignores its names: with it, every layer's gathered weights were saved.)"""
+    cfg = ModelConfig(variant="coupled_euler", **TINY)
+    graphdef, params = nnx.split(Block(cfg, 0, jax.random.key(0)))
+    params = nnx.to_pure_dict(params)
+    fn = jax.checkpoint(lambda p, x: _run_block_output(nnx.merge(graphdef, p), x, None, None, 0),
+                        policy=REMAT_POLICIES["none"])
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        jax.ad_checkpoint.print_saved_residuals(shd.under_mesh(fn, mesh_of((1, 8, 1))), params,
+                                                jnp.zeros((BATCH, SEQ, TINY["d_model"])))
+    lines = out.getvalue().splitlines()
+    weights = {"[" + ",".join(map(str, np.shape(w))) + "]" for w in jax.tree.leaves(params) if np.ndim(w) >= 2}
+    saved = [line for line in lines if line.split()[0][line.index("["):] in weights]
+    assert saved and all("from the argument" in line for line in saved), "\n".join(lines)
 
 
 def test_compute_spec_drops_only_fsdp():
