@@ -133,6 +133,35 @@ def test_paired_interval_variance_ratio_and_jump_epoch_hand_values():
     assert reports.jump_epoch([2, 4, 6], [0.25, 0.5, 0.9]) == 4 and reports.jump_epoch([2], [0.3]) is None
 
 
+def test_progress_reads_unfinished_cells(tmp_path):
+    from experiments import progress
+
+    mq = tmp_path / "easy__standard"
+    mq.mkdir()
+    (mq / "cell.json").write_text(json.dumps({
+        "run": {"name": "easy/standard", "variant": "standard", "task": "mqar"},
+        "config": {"train": {"steps": 640, "num_seeds": 2, "lr": 3e-3}, "mqar": {"steps_per_epoch": 10}}}))
+    (mq / "summary.json").write_text(json.dumps({"status": "interrupted", "step": 45}))
+    rows = [{"step": 20, "valid/accuracy": 0.45, "valid/accuracy/seeds": [0.55, 0.35]},
+            {"step": 40, "valid/accuracy": 0.7, "valid/accuracy/seeds": [0.9, 0.5]},
+            {"step": 50, "train_loss": 1.0}]
+    (mq / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    lm = tmp_path / "standard"
+    lm.mkdir()
+    (lm / "cell.json").write_text(json.dumps({
+        "run": {"name": "standard", "variant": "standard", "task": "lm"},
+        "config": {"train": {"steps": 1000, "num_seeds": 1, "lr": 3e-3, "batch_size": 10}, "data": {"seq_len": 100}}}))
+    (lm / "metrics.jsonl").write_text(json.dumps({"step": 500, "val_loss": math.log(80.0)}) + "\n")
+    c = progress.cell_progress(mq)
+    assert c["status"] == "interrupted" and c["progress"] == "50/640 steps (epoch 5.0 of 64)"
+    assert c["evaluations"] == "2: 0.450 [0.550 0.350], 4: 0.700 [0.900 0.500]" and c["jump"] == "2 4"
+    c = progress.cell_progress(lm)
+    assert c["status"] == "started" and c["progress"] == "500/1000 steps (0.50M of 1.00M tokens per seed)"
+    assert c["evaluations"] == "0.50M: 80.00"
+    table = progress.progress_table([tmp_path])
+    assert table.count("\n") == 4 and "| easy/standard | 2 | interrupted |" in table
+
+
 @pytest.mark.parametrize("name", list("abcdeh"))
 def test_recipes_build(name, tmp_path):
     runs = sweep.recipe(name, scale="mini", steps=100, seeds=3)
