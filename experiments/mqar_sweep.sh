@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# MQAR to the end of learning (issue 15, item 2): zoology's protocol on a shared CPU, resumable.
+#
+#   bash experiments/mqar_sweep.sh lane LEVEL VARIANT[,VARIANT...]  # lr sweep: 1 seed per (variant, lr), 64 epochs
+#   bash experiments/mqar_sweep.sh table LEVEL LR                   # every variant at one lr: docs/results/mqar/
+#   bash experiments/mqar_sweep.sh seeds LEVEL LR                   # 3 seeds of every variant at the chosen lr
+#
+# Every cell is an ordinary sweep cell (experiments/sweep.py): rerunning the same command skips finished cells and
+# resumes a stopped one from its last checkpoint (one per epoch). `lane` gives every (variant, lr) cell its own sweep
+# call, so each finished cell has its table at once (runs/mqar/tables/); lanes with disjoint variants may run in
+# parallel (each run directory has a lock: one trainer per cell). The lrs run in the order 3e-3 (the default, where
+# standard attention learns the easy level), 1e-2, 1e-3. `table` trains whatever is missing at that lr and writes the
+# all-variant table; `seeds` does the same with 3 seeds (its own runs directory). While cells run,
+# `python -m experiments.progress runs/mqar/LEVEL_s1` shows every evaluation so far.
+set -euo pipefail
+MODE=${1:?usage: mqar_sweep.sh lane|table|seeds LEVEL ...}
+LEVEL=${2:?level: easy, medium or hard}
+PY=${PYTHON:-python}
+ALL=standard,coupled_euler,coupled_leapfrog,mlp_only,differential
+sweep() { nice -n 19 "$PY" -m experiments.sweep --recipe g --levels "$LEVEL" --epochs 64 "$@"; }
+case "$MODE" in
+  lane)
+    for lr in 3e-3 1e-2 1e-3; do
+      for v in ${3//,/ }; do
+        sweep --variants "$v" --seeds 1 --grid train.lr=$lr --out "runs/mqar/tables/${LEVEL}_${v}_lr$lr" \
+          --runs-dir "runs/mqar/${LEVEL}_s1"
+      done
+    done ;;
+  table)
+    sweep --variants "$ALL" --seeds 1 --grid "train.lr=${3:?lr}" --out "docs/results/mqar/${LEVEL}_lr$3" \
+      --runs-dir "runs/mqar/${LEVEL}_s1" ;;
+  seeds)
+    sweep --variants "$ALL" --seeds 3 --grid "train.lr=${3:?lr}" --out "docs/results/mqar/${LEVEL}_lr${3}_s3" \
+      --runs-dir "runs/mqar/${LEVEL}_s3" ;;
+  *) echo "error: mode must be lane, table or seeds, got '$MODE'" >&2; exit 2 ;;
+esac
