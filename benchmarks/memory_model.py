@@ -10,18 +10,32 @@ parameter on each mesh shape, and everything else from the formulas below. docs/
 Train state (fp32 everywhere; sharded like the parameters, so over fsdp × tensor where a dim divides):
     parameters 4N, gradients 4N, AdamW moments 2 × 4N          -> 16N bytes in total
 
-Activations saved for the backward pass, bytes per token per layer (Korthikanti et al. 2022, "Reducing Activation
-Recomputation", §4.1, adapted; b = bytes per activation element, d = d_model, a = heads, s = sequence length):
-    Korthikanti (with dropout):        34·d + 5·a·s          at b = 2
-    this model (dropout 0, so no masks and no dropout outputs):
-        replicated across tensor:  norm inputs 2d, attention input d, MLP input d           =  4d   elements
-        split over tensor:          q, k, v 3d, attention output d, MLP hidden 2·d_ff,
-                                    softmax probabilities a·s                                 = 4d + 2·d_ff + a·s
-        coupled dynamics extra:     per step and per f evaluation, f's hidden pre-activation and output
-                                    (2·a·hidden) plus the evolved q, k (2d)  [euler: 1 eval, leapfrog: 2, mlp_only: 2]
-    -> per layer  b · (4d + (4d + 2·d_ff + a·s + coupled)/t)         (t = tensor size; 34d-equivalent at d_ff = 4d)
-    With full remat (model.remat=full) only each block's input (b·d) is kept, plus one layer's activations while it is
-    recomputed. The head adds fp32 logits and their softmax, 8·V bytes per token (not split; V is vocab).
+Activations: what the code saves for the backward pass, counted residual by residual from its structure
+(`layer_residuals`; tests/test_memory_model.py checks the count against `jax.ad_checkpoint.print_saved_residuals` of
+a scanned model, term by term in total). Per layer and sequence of T tokens, b = bytes of the compute dtype, d =
+d_model, a = heads, ff = d_ff; "/t" = split over the tensor axis:
+    each of the two RMSNorms: its input in fp32 (4d), the normalised value (4d), its output (b·d), 2 fp32 row
+        statistics; plus its broadcast scale (4d, once per layer)
+    attention, explicit causal query blocks (the CPU path; n blocks, block i = queries [lo_i, hi_i) against keys
+        [0, hi_i)): each block's query slice (together b·d), its key and value *prefixes* (Σ hi_i / T = (n+1)/2
+        copies of K and of V), the fp32 exponentials of its scores (4 bytes per score element, Σ (hi_i−lo_i)·hi_i
+        per head, i.e. (n+1)/(2n)·T² instead of T²) and in bf16 their cast to bf16 (2 more), two fp32 row scalars
+        (1/Σ and its derivative), the un-normalised fp32 output (4d), then the per-head output before W_O (b·d);
+        all /t. The causal mask's residuals are the same in every layer: the layer scan keeps them once.
+    attention, fused kernel (Pallas flash / cuDNN, accelerators): q, k, v, o (4·b·d) and two fp32 statistics per
+        head and token (the Pallas kernel's l, m); /t
+    coupled dynamics, reversible backward (the default): the integrator's inputs q_0, k_0 (2·b·d; leapfrog also
+        keeps q_n, k_n for its drift check: 4·b·d); autodiff backward, per step and f evaluation, f's hidden
+        activations (4 per hidden unit) and its in/out states (fp32-counted, verified in fp32 only); /t
+    MLP: the pre-activation, four intermediates of the tanh-GELU and its output (6·b·ff); /t
+    weights: in bf16 the compute-dtype cast of every block weight (2 bytes per parameter, once per layer; after
+        the FSDP gather, so *not* split over fsdp); in fp32 the weights are the step's own arguments
+    -> 24m fp32: ~221 kB per token and layer (Korthikanti et al.'s 34·d + 5·a·s bytes, which assumes one softmax
+       copy, two MLP tensors and no block prefixes, gives about half of that)
+The head adds the final norm, the fp32 exponentials of the logits (optax's cross-entropy, 4V bytes per token) and,
+at the peak of the backward pass, the logits' cotangent (4V). With full remat (model.remat=full) each layer keeps
+only its input (b·d) and one layer's residuals live while it is recomputed. `--xla` adds the rest of XLA's figure:
+the gradients (4N, sharded like the parameters) and under fsdp the gathered embedding and its full-size gradient.
 
 Model FLOPs per token: 6N + 12·L·s·d (Kaplan/PaLM-style; N includes the tied embedding, which is the head matmul);
 tokens/s = MFU × peak / FLOPs-per-token, at an assumed 40% MFU on bf16 peaks of 197 TFLOP/s (TPU v5e) and
@@ -29,7 +43,9 @@ tokens/s = MFU × peak / FLOPs-per-token, at an assumed 40% MFU on bf16 peaks of
 
 `--xla` checks the memory part against the compiler: it compiles the real train step (sharding.jit_train_step, the
 config's global batch, state donated) for 8 fake CPU devices on a data=8 and an fsdp=8 mesh, from ShapeDtypeStructs,
-and prints `compiled.memory_analysis()` (arguments + outputs − aliased + temporaries) next to the model's total.
+and prints `compiled.memory_analysis()` (arguments + outputs − aliased + temporaries) next to the model's total. It
+compiles with LLVM's optimisations off (FAST_COMPILE): buffer assignment is an HLO pass, and the figures are the same
+with and without (checked at d_model 256 on both meshes), in a fraction of the time.
 """
 
 from __future__ import annotations
@@ -53,13 +69,13 @@ from flax import nnx  # noqa: E402
 from configs import lm  # noqa: E402
 from coupled_qk_jax import sharding as shd  # noqa: E402
 from coupled_qk_jax.config import DYNAMICS_METHOD, ModelConfig  # noqa: E402
+from coupled_qk_jax.attention import auto_chunks  # noqa: E402
 from coupled_qk_jax.model import TransformerLM, abstract_param_count  # noqa: E402
 
 GIB = 2 ** 30
 MESHES = {8: [(8, 1, 1), (1, 8, 1), (2, 2, 2), (1, 4, 2)], 32: [(4, 8, 1), (2, 8, 2)], 64: [(8, 8, 1), (4, 8, 2)]}
 PEAKS = {"TPU v5e": 197e12, "H100": 989e12}
 MFU = 0.4
-F_EVALS = {"euler": 1, "leapfrog": 2, "uncoupled": 2}
 
 
 def model_config(scale: str, variant: str) -> tuple[ModelConfig, int, int]:
@@ -84,27 +100,102 @@ def sharded_state_bytes(cfg: ModelConfig, mesh_shape: tuple[int, int, int]) -> f
     return 16.0 * total
 
 
-def activation_bytes_per_token(cfg: ModelConfig, seq: int, bytes_per: int, tensor: int = 1,
-                               remat: bool = False) -> float:
-    """Saved activations per token for the whole model (see the module docstring for the formula)."""
-    d, a, ff, layers = cfg.d_model, cfg.n_heads, cfg.d_ff, cfg.n_layers
-    coupled = 0.0
-    if cfg.qk_transform in DYNAMICS_METHOD:
-        evals = F_EVALS[DYNAMICS_METHOD[cfg.qk_transform]]
-        coupled = cfg.n_steps * (evals * 2 * a * cfg.coupling_hidden + 2 * d)
-    per_layer = bytes_per * (4 * d + (4 * d + 2 * ff + a * seq + coupled) / tensor)
-    head = 8.0 * cfg.vocab_size
+FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+
+def _query_blocks(cfg: ModelConfig, seq: int) -> list[tuple[int, int]]:
+    """The explicit kernel's causal query blocks [lo, hi) (attention._explicit_attention's bounds)."""
+    n = max(1, min(cfg.attention_chunks or auto_chunks(seq), seq))
+    bounds = [seq * i // n for i in range(n + 1)]
+    return [(lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:]) if hi > lo]
+
+
+def layer_residuals(cfg: ModelConfig, seq: int, bytes_per: int, tensor: int = 1,
+                    kernel: str = "explicit") -> tuple[dict[str, float], dict[str, float]]:
+    """What one block saves for its backward pass on one device, as (bytes per sequence, bytes per layer) by name.
+
+    Counted from the code (see the module docstring); remat "none", RMSNorm, softmax scoring. `kernel`: "explicit"
+    (the CPU path, which `--xla` compiles) or "fused" (Pallas flash / cuDNN). Tensor-split terms are divided by
+    `tensor`; the per-layer terms are the bf16 weight casts and the norms' broadcast scales.
+    """
+    if cfg.scoring != "softmax" or cfg.norm != "rmsnorm":
+        raise ValueError(f"memory_model counts softmax scoring with RMSNorm; got scoring={cfg.scoring!r}, "
+                         f"norm={cfg.norm!r}")
+    d, a, ff, t, b = cfg.d_model, cfg.n_heads, cfg.d_ff, seq, bytes_per
+    seqs: dict[str, float] = {"norms": 2 * t * ((8 + b) * d + 8)}
+    split: dict[str, float] = {}
+    if kernel == "explicit":
+        blocks = _query_blocks(cfg, seq)
+        scores = a * sum((hi - lo) * hi for lo, hi in blocks)  # score elements per sequence
+        prefix = sum(hi for _, hi in blocks) * d  # key (and value) prefix elements per sequence
+        split["attention q blocks, K and V prefixes"] = b * (t * d + 2 * prefix)
+        split["attention exp(scores)"] = (4 + (b if b != 4 else 0)) * scores
+        split["attention row scalars, output"] = 8 * a * t + 4 * t * d + b * t * d
+    elif kernel == "fused":
+        split["attention q, k, v, o, statistics"] = 4 * b * t * d + 8 * a * t
+    else:
+        raise ValueError(f"kernel must be 'explicit' or 'fused', got {kernel!r}")
+    method = DYNAMICS_METHOD.get(cfg.qk_transform)
+    if method is not None:
+        n, ah = cfg.n_steps, a * cfg.coupling_hidden
+        if cfg.dynamics_backward == "reversible":
+            split["dynamics"] = b * t * (4 if method == "leapfrog" else 2) * d
+        else:  # per step (and f evaluation) of the plain scan, verified in fp32
+            per = {"euler": (2 * d, n * (4 * ah + 3 * d)), "leapfrog": (2 * d + 4 * ah, n * (4 * ah + 3 * d)),
+                   "uncoupled": (2 * d, n * (8 * ah + 4 * d))}[method]
+            split["dynamics"] = b * t * sum(per)
+    split["MLP"] = 6 * b * t * ff
+    seqs.update({k: v / tensor for k, v in split.items()})
+    layer = {"norm scales": 2 * 4 * d}
+    if method is not None:
+        copies = 1 if cfg.dynamics_backward == "reversible" else 3 if method == "leapfrog" else 2  # Δt, Δt/2 [H, 1]
+        layer["dt"] = 4 * a * copies
+    if b != 4:  # the compute-dtype casts of the block's weights (fp32: the weights themselves, already arguments)
+        weights = 4 * d * d + 2 * d * ff
+        if cfg.qk_transform in DYNAMICS_METHOD:
+            weights += 2 * cfg.head_dim * cfg.coupling_hidden * (a if cfg.per_head_params else 1)
+        layer["weight casts"] = b * weights / tensor
+    return seqs, layer
+
+
+def activation_bytes(cfg: ModelConfig, seq: int, sequences: float, bytes_per: int, tensor: int = 1,
+                     remat: bool = False, kernel: str = "explicit", cpu_upcast: bool = False) -> float:
+    """Bytes of activations on one device holding `sequences` sequences: every layer's residuals (or, with full
+    remat, every layer's input plus one layer's residuals), the head's residuals and the logits' cotangent.
+
+    cpu_upcast: XLA:CPU computes bf16 in float32, so for the backward pass it converts the layer-stacked bf16
+    residuals to float32 copies, hoisted out of the layer loop (`wrapped_convert` buffers of shape [L, ...] in the
+    buffer assignment); each replaces its bf16 stack, so a residual's 2 bytes become 4. TPUs and GPUs compute in bf16
+    and make no such copies."""
+    def layer_bytes(b: int) -> float:
+        per_seq, per_layer = layer_residuals(cfg, seq, b, tensor, kernel)
+        return sequences * sum(per_seq.values()) + sum(per_layer.values())
+
+    one_layer = layer_bytes(bytes_per)
+    if cpu_upcast and bytes_per != 4:  # every term is linear in b: the compute-dtype part is f(b) - f(0)
+        one_layer += (4 - bytes_per) / bytes_per * (one_layer - layer_bytes(0))
+    head = sequences * seq * ((8 + bytes_per) * cfg.d_model + 8 + 2 * 4 * cfg.vocab_size / tensor)
     if remat:
-        return layers * bytes_per * d + per_layer + head
-    return layers * per_layer + head
+        return cfg.n_layers * sequences * seq * bytes_per * cfg.d_model + one_layer + head
+    return cfg.n_layers * one_layer + head
 
 
 def flops_per_token(cfg: ModelConfig, n_params: int, seq: int) -> float:
     return 6.0 * n_params + 12.0 * cfg.n_layers * seq * cfg.d_model
 
 
-def report(variant: str, scales: list[str], bytes_per: int) -> str:
-    lines = [f"variant {variant}, activations at {bytes_per} bytes/element, state fp32 (16 bytes/param)", ""]
+def embedding_extra_bytes(cfg: ModelConfig, mesh_shape: tuple[int, int, int], bytes_per: int) -> float:
+    """The embedding tables' copies beyond the state: under fsdp the gathered (fp32) tables, kept from the lookup to
+    the tied head's backward, and their gradient, all-reduced at full size before it is sliced to the shard; in bf16
+    the head's compute-dtype cast. Split over tensor (vocab)."""
+    _, fsdp, tensor = mesh_shape
+    elements = (cfg.vocab_size + (cfg.max_len if cfg.positions == "learned" else 0)) * cfg.d_model / tensor
+    return elements * ((8 if fsdp > 1 else 0) + (bytes_per if bytes_per != 4 else 0))
+
+
+def report(variant: str, scales: list[str], bytes_per: int, kernel: str = "fused") -> str:
+    lines = [f"variant {variant}, activations at {bytes_per} bytes/element ({kernel} attention kernel), state fp32 "
+             "(16 bytes/param)", ""]
     lines += ["| scale | N (standard) | N (variant) | params | grads | AdamW | activations/token | "
               "activations/token (remat) | FLOPs/token | tok/s/device v5e @40% | tok/s/device H100 @40% |",
               "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -113,8 +204,9 @@ def report(variant: str, scales: list[str], bytes_per: int) -> str:
         cfg, seq, batch = model_config(scale, variant)
         n = abstract_param_count(cfg)
         n_std = abstract_param_count(dataclasses.replace(cfg, variant="standard"))
-        act = activation_bytes_per_token(cfg, seq, bytes_per)
-        act_r = activation_bytes_per_token(cfg, seq, bytes_per, remat=True)
+        cfg = dataclasses.replace(cfg, dtype="bfloat16" if bytes_per == 2 else "float32")
+        act = activation_bytes(cfg, seq, batch, bytes_per, kernel=kernel) / (batch * seq)
+        act_r = activation_bytes(cfg, seq, batch, bytes_per, remat=True, kernel=kernel) / (batch * seq)
         fl = flops_per_token(cfg, n, seq)
         tps = [MFU * peak / fl for peak in PEAKS.values()]
         lines.append(f"| {scale} | {n_std:,} | {n:,} | {4 * n / GIB:.2f} GiB | {4 * n / GIB:.2f} GiB | "
@@ -125,15 +217,17 @@ def report(variant: str, scales: list[str], bytes_per: int) -> str:
                 data, fsdp, tensor = shape
                 if batch % (data * fsdp):
                     continue
-                tokens = batch * seq / (data * fsdp)
-                state = sharded_state_bytes(cfg, shape)
-                a_full = tokens * activation_bytes_per_token(cfg, seq, bytes_per, tensor)
-                a_remat = tokens * activation_bytes_per_token(cfg, seq, bytes_per, tensor, remat=True)
+                sequences = batch / (data * fsdp)
+                tokens = sequences * seq
+                state = sharded_state_bytes(cfg, shape) + embedding_extra_bytes(cfg, shape, bytes_per)
+                a_full = activation_bytes(cfg, seq, sequences, bytes_per, tensor, kernel=kernel)
+                a_remat = activation_bytes(cfg, seq, sequences, bytes_per, tensor, remat=True, kernel=kernel)
                 per_mesh.append(f"| {scale} | {n_dev} | {data}×{fsdp}×{tensor} | {batch}×{seq} | {tokens:,.0f} | "
                                 f"{state / GIB:.2f} | {a_full / GIB:.2f} | {(state + a_full) / GIB:.2f} | "
                                 f"{a_remat / GIB:.2f} | {(state + a_remat) / GIB:.2f} |")
     lines += ["", "Per device, GiB (mesh data×fsdp×tensor; global batch sequences×length from the config):", "",
-              "| scale | devices | mesh | batch | tokens/device | state | activations | total | activations (remat) "
+              "| scale | devices | mesh | batch | tokens/device | state (+ embedding copies) | activations | total | "
+              "activations (remat) "
               "| total (remat) |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     return "\n".join(lines + per_mesh)
 
@@ -153,26 +247,28 @@ def xla_memory(cfg: ModelConfig, mesh_shape: tuple[int, int, int], batch: int, s
     step = shd.jit_train_step(steps.make_train_step(graphdef, tx), shardings, mesh)
     tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
     key = jax.eval_shape(lambda: jax.random.key(0))
-    m = step.lower(state, {"inputs": tokens, "targets": tokens}, key).compile().memory_analysis()
+    m = step.lower(state, {"inputs": tokens, "targets": tokens}, key).compile(FAST_COMPILE).memory_analysis()
     total = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
     return {"arguments": m.argument_size_in_bytes, "outputs": m.output_size_in_bytes,
             "aliased": m.alias_size_in_bytes, "temp": m.temp_size_in_bytes, "total": total}
 
 
-def xla_report(variant: str, scales: list[str], bytes_per: int) -> str:
+def xla_report(variant: str, scales: list[str], bytes_per: int, layers: int = 0) -> str:
     lines = [f"variant {variant}, compute dtype {'bfloat16' if bytes_per == 2 else 'float32'}, compiled for 8 CPU "
              f"devices; GiB per device", "",
-             "| scale | mesh | layout | XLA args | XLA temp | XLA total | model state | model activations | "
+             "| scale | mesh | layout | XLA args | XLA temp | XLA total | model state (+ embedding copies) | "
+             "model activations | "
              "model total | model / XLA |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for scale in scales:
         cfg, seq, batch = model_config(scale, variant)
-        cfg = dataclasses.replace(cfg, dtype="bfloat16" if bytes_per == 2 else "float32")
+        cfg = dataclasses.replace(cfg, dtype="bfloat16" if bytes_per == 2 else "float32",
+                                  n_layers=layers or cfg.n_layers)
         train_cfg = lm.get_config(f"{variant},{scale}").train
         for shape in ((8, 1, 1), (1, 8, 1)):
             x = xla_memory(cfg, shape, batch, seq, train_cfg)
-            tokens = batch * seq / (shape[0] * shape[1])
-            state = sharded_state_bytes(cfg, shape)
-            act = tokens * activation_bytes_per_token(cfg, seq, bytes_per, shape[2])
+            sequences = batch / (shape[0] * shape[1])
+            state = sharded_state_bytes(cfg, shape) + embedding_extra_bytes(cfg, shape, bytes_per)
+            act = activation_bytes(cfg, seq, sequences, bytes_per, shape[2], kernel="explicit", cpu_upcast=True)
             model = state + act
             lines.append(f"| {scale} | {'×'.join(map(str, shape))} | {'scanned' if cfg.scan_layers else 'loop'} | "
                          f"{x['arguments'] / GIB:.2f} | {x['temp'] / GIB:.2f} | {x['total'] / GIB:.2f} | "
@@ -186,13 +282,16 @@ def main(argv=None) -> int:
     p.add_argument("--variant", default="coupled_euler")
     p.add_argument("--scales", default="60m,150m,350m")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="activation dtype")
+    p.add_argument("--kernel", choices=("fused", "explicit"), default="fused",
+                   help="attention kernel of the on-paper table: fused (Pallas / cuDNN) or explicit (CPU)")
+    p.add_argument("--layers", type=int, default=0, help="--xla: override the layer count (quicker checks)")
     p.add_argument("--xla", action="store_true", help="compare with compiled.memory_analysis() on 8 CPU devices")
     args = p.parse_args(argv)
     bytes_per = 2 if args.dtype == "bf16" else 4
     if args.xla:
-        print(xla_report(args.variant, args.scales.split(","), bytes_per))
+        print(xla_report(args.variant, args.scales.split(","), bytes_per, args.layers))
         return 0
-    print(report(args.variant, args.scales.split(","), bytes_per))
+    print(report(args.variant, args.scales.split(","), bytes_per, args.kernel))
     return 0
 
 

@@ -1,0 +1,72 @@
+"""benchmarks/memory_model.py's activation count against the residuals JAX saves for the backward pass.
+
+The reference is `jax.ad_checkpoint.print_saved_residuals` of the loss of a small *scanned* model (the layout of the
+60m-350m configs, whose XLA figure `memory_model.py --xla` checks): a residual that carries the layer axis
+([L, ...]) is saved once per layer, so the sum of those that are not arguments (the stacked weights are the step's
+own inputs), divided by L, is one layer's activations. The model's count is built by hand from the code's structure;
+bytes are integers, so the two must agree exactly. T = 256 gives the explicit kernel 4 causal query blocks (the
+multi-block path users run); B = 2 separates per-sequence from per-layer terms.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from benchmarks import memory_model
+from coupled_qk_jax.config import ModelConfig
+from coupled_qk_jax.model import TransformerLM
+from coupled_qk_jax.training import steps
+
+L, B, T = 3, 2, 256
+ITEMSIZE = {"f32": 4, "bf16": 2, "f16": 2, "i32": 4, "u32": 4, "bool": 1}
+LINE = re.compile(r"^(\w+)\[([\d,]*)\] (.*)$")
+
+
+def saved_per_layer(cfg: ModelConfig) -> float:
+    """Bytes of the non-argument residuals stacked over the layer axis, per layer."""
+    graphdef, params = steps.split_model(TransformerLM(cfg, 0))
+    loss_fn = steps.make_loss_fn(graphdef)
+    tokens = jnp.zeros((B, T), jnp.int32)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        jax.ad_checkpoint.print_saved_residuals(lambda p: loss_fn(p, {"inputs": tokens, "targets": tokens})[0],
+                                                params)
+    total = 0
+    for line in out.getvalue().splitlines():
+        dtype, dims, source = LINE.match(line).groups()
+        shape = [int(n) for n in dims.split(",") if n]
+        if shape[:1] == [L] and "from the argument" not in source:
+            total += ITEMSIZE[dtype] * int(jnp.prod(jnp.array(shape)))
+    return total / L
+
+
+@pytest.mark.parametrize("variant,dtype,extra", [
+    ("standard", "float32", {}),
+    ("coupled_euler", "bfloat16", {}),
+    ("coupled_leapfrog", "float32", {}),
+    ("mlp_only", "bfloat16", {}),
+    ("coupled_euler", "float32", {"dynamics_backward": "autodiff", "n_steps": 2}),
+    ("coupled_leapfrog", "float32", {"dynamics_backward": "autodiff", "n_steps": 2}),
+    ("mlp_only", "float32", {"dynamics_backward": "autodiff", "n_steps": 2}),
+])
+def test_layer_residuals_match_what_jax_saves(variant, dtype, extra):
+    cfg = ModelConfig(variant=variant, vocab_size=64, max_len=T, d_model=64, n_layers=L, n_heads=4, d_ff=256,
+                      coupling_hidden=12, attention_impl="explicit", scan_layers=True, dtype=dtype, **extra)
+    per_seq, per_layer = memory_model.layer_residuals(cfg, T, jnp.dtype(dtype).itemsize)
+    assert B * sum(per_seq.values()) + sum(per_layer.values()) == saved_per_layer(cfg)
+
+
+def test_query_blocks_follow_the_kernel():
+    """The explicit kernel's blocks at T = 1024 (the 60m-350m context): 8 blocks of 128 queries, whose key prefixes
+    sum to (8+1)/2 = 4.5 copies of K and whose scores cover 9/16 of the T×T square."""
+    cfg = ModelConfig(max_len=1024)
+    blocks = memory_model._query_blocks(cfg, 1024)
+    assert blocks == [(128 * i, 128 * (i + 1)) for i in range(8)]
+    assert sum(hi for _, hi in blocks) == 4.5 * 1024
+    assert sum((hi - lo) * hi for lo, hi in blocks) == 1024 * 1024 * 9 // 16
