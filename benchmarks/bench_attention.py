@@ -24,8 +24,8 @@ Memory. `peak_mem_mb` is XLA's own accounting of the compiled step (arguments + 
 from `compiled.memory_analysis()`), which is per variant even when several share one process; the device's
 `peak_bytes_in_use` (process-wide) and the process RSS high-water mark (`resource.getrusage`) are recorded beside it.
 
-`--seed_parallel S` adds the seed-parallel comparison: S seeds of the first variant as one `jax.vmap`-ed step
-against S sequential single-seed steps (records with variant `<v>@vmapS` and `<v>@seqS`).
+Seed-parallel training (S seeds as one vmapped program, `train.num_seeds`) is measured through the training loop itself
+by `benchmarks/bench_seeds.py`, not here.
 """
 
 from __future__ import annotations
@@ -151,7 +151,7 @@ class Roofline:
 class Case:
     """One compiled training step of one (variant, options) at one scale, with its own donated train state."""
 
-    def __init__(self, spec: str, scale: str, args: argparse.Namespace, seeds: int = 0):
+    def __init__(self, spec: str, scale: str, args: argparse.Namespace):
         self.spec, self.scale = spec, scale
         variant, overrides = parse_variant_spec(spec)
         cfg = scale_config(variant, scale)
@@ -175,23 +175,14 @@ class Case:
         step = make_train_step(graphdef, tx)
 
         rng = np.random.default_rng(0)
-        lead = (seeds,) if seeds else ()
-        tokens = rng.integers(0, self.cfg.vocab_size, size=lead + (self.batch, self.seq + 1), dtype=np.int32)
+        tokens = rng.integers(0, self.cfg.vocab_size, size=(self.batch, self.seq + 1), dtype=np.int32)
         self.batch_arrays = {"inputs": jnp.asarray(tokens[..., :-1]), "targets": jnp.asarray(tokens[..., 1:])}
-        if seeds:
-            # S independent train states stacked on a leading axis; one vmapped step trains them all.
-            states = [init_train_state(split_model(TransformerLM(self.cfg, s))[1], tx) for s in range(seeds)]
-            self.state = jax.tree.map(lambda *xs: jnp.stack(xs), *states)
-            self.key = jax.random.split(jax.random.key(0), seeds)
-            fn: Callable = jax.vmap(step)
-        else:
-            self.state = init_train_state(params, tx)
-            self.key = jax.random.key(0)
-            fn = step
-        self.tokens_per_step = self.batch * self.seq * max(seeds, 1)
-        self.flops_per_step = model_flops_per_step(self.n_params, self.cfg, self.batch, self.seq) * max(seeds, 1)
+        self.state = init_train_state(params, tx)
+        self.key = jax.random.key(0)
+        self.tokens_per_step = self.batch * self.seq
+        self.flops_per_step = model_flops_per_step(self.n_params, self.cfg, self.batch, self.seq)
 
-        jitted = jax.jit(fn, donate_argnums=0)
+        jitted = jax.jit(step, donate_argnums=0)
         t0 = time.perf_counter()
         lowered = jitted.lower(self.state, self.batch_arrays, self.key)
         t1 = time.perf_counter()
@@ -215,49 +206,15 @@ class Case:
         self.last_loss = float(np.mean(np.asarray(metrics["loss"])))
 
 
-class SequentialSeeds:
-    """S separate single-seed programs stepped one after the other (the baseline of seed-parallel training)."""
-
-    def __init__(self, spec: str, scale: str, args: argparse.Namespace, seeds: int):
-        self.cases = [Case(spec, scale, args) for _ in range(seeds)]
-        first = self.cases[0]
-        self.spec, self.scale, self.cfg, self.n_params = spec, scale, first.cfg, first.n_params
-        self.batch, self.seq = first.batch, first.seq
-        self.tokens_per_step = first.tokens_per_step * seeds
-        self.flops_per_step = first.flops_per_step * seeds
-        self.lower_s = sum(c.lower_s for c in self.cases)
-        self.compile_s = sum(c.compile_s for c in self.cases)
-        self.mem_mb = first.mem_mb
-        self.times: list[float] = []
-        self.loads: list[float] = []
-
-    def run(self, n: int, record: bool = True) -> None:
-        for _ in range(n):
-            t0 = time.perf_counter()
-            for c in self.cases:
-                c.run(1, record=False)
-            if record:
-                self.times.append(time.perf_counter() - t0)
-        if record:
-            self.loads.append(load())
-        self.last_loss = self.cases[-1].last_loss
-
-
 # ------------------------------------------------------------------------------------------------------------ main
 def bench_scale(scale: str, specs: list[str], args: argparse.Namespace, roof: Roofline | None,
                 on_round: Callable[[list[dict]], None] | None = None) -> list[dict]:
     """Compile every variant of one scale, then time them in interleaved rounds; returns one record per variant.
     `on_round` receives the records computed so far after every round (so a long run leaves partial results)."""
-    cases: dict[str, Any] = {}
+    cases: dict[str, Case] = {}
     for spec in specs:
         print(f"[{scale}] compiling {spec} (load {load():.1f})", flush=True)
         cases[spec] = Case(spec, scale, args)
-    if args.seed_parallel:
-        spec = specs[0]
-        s = args.seed_parallel
-        print(f"[{scale}] compiling {spec} seed-parallel S={s}", flush=True)
-        cases[f"{spec}@vmap{s}"] = Case(spec, scale, args, seeds=s)
-        cases[f"{spec}@seq{s}"] = SequentialSeeds(spec, scale, args, seeds=s)
 
     order = list(cases)
     for r in range(args.rounds):
@@ -274,11 +231,11 @@ def bench_scale(scale: str, specs: list[str], args: argparse.Namespace, roof: Ro
     return make_records(scale, cases, args, roof)
 
 
-def make_records(scale: str, cases: dict[str, Any], args: argparse.Namespace, roof: Roofline | None) -> list[dict]:
+def make_records(scale: str, cases: dict[str, Case], args: argparse.Namespace, roof: Roofline | None) -> list[dict]:
     order = list(cases)
     backend = jax.default_backend()
     peak_flops = roof.flops if roof is not None else args.peak_tflops * 1e12
-    std_name = next((n for n in order if parse_variant_spec(n)[0] == "standard" and "@" not in n), None)
+    std_name = next((n for n in order if parse_variant_spec(n)[0] == "standard"), None)
     std_median = statistics.median(cases[std_name].times) if std_name else None
     std_min = min(cases[std_name].times) if std_name else None
     records = []
@@ -286,11 +243,6 @@ def make_records(scale: str, cases: dict[str, Any], args: argparse.Namespace, ro
         c = cases[name]
         med = statistics.median(c.times)
         ratio = med / std_median if std_median else None
-        if "@seq" in name:  # the seed-parallel comparison is against its own sequential baseline
-            ratio = None
-        if "@vmap" in name:
-            seq_name = name.replace("@vmap", "@seq")
-            ratio = med / statistics.median(cases[seq_name].times)
         records.append({
             "variant": name, "scale": scale,
             "step_ms_median": 1e3 * med,
@@ -310,7 +262,7 @@ def make_records(scale: str, cases: dict[str, Any], args: argparse.Namespace, ro
             "ratio_vs_standard": ratio,
             # min/min: contention on a shared machine only ever adds time, so the minimum is the least-disturbed
             # step; recorded beside the median ratio as a robustness check.
-            "ratio_vs_standard_min": (min(c.times) / std_min if std_min and "@" not in name else None),
+            "ratio_vs_standard_min": (min(c.times) / std_min if std_min else None),
             "params": c.n_params, "batch": c.batch, "seq": c.seq,
             "n_steps": c.cfg.n_steps, "scan_unroll": c.cfg.scan_unroll, "remat": c.cfg.remat,
             "dtype": c.cfg.dtype,
@@ -334,7 +286,7 @@ def markdown(records: list[dict], command: str) -> str:
                      f"{100 * r['mfu']:.1f}% | {r['load_median']:.1f} |")
     rf = records[0]["roofline_flops"] if records else 0
     lines += ["", f"backend {records[0]['backend'] if records else '?'}, roofline {rf / 1e9:.1f} GFLOP/s, "
-              f"jax {jax.__version__}. `@vmapS` rows: ratio = vmapped step time / S sequential steps."]
+              f"jax {jax.__version__}."]
     return "\n".join(lines) + "\n"
 
 
@@ -353,7 +305,6 @@ def main() -> None:
     ap.add_argument("--remat", default=None, choices=["none", "full", "dots", "nothing_saveable"])
     ap.add_argument("--dtype", default=None, help="compute dtype (default: float32 on CPU, bfloat16 on GPU/TPU)")
     ap.add_argument("--attention_impl", default=None, help="auto|xla|cudnn (default: cudnn on GPU, else auto)")
-    ap.add_argument("--seed_parallel", type=int, default=0, help="S>0: also compare S vmapped seeds vs sequential")
     ap.add_argument("--peak_tflops", type=float, default=None,
                     help="accelerator peak for MFU (default on CPU: the measured 2048^3 matmul roofline)")
     args = ap.parse_args()
