@@ -110,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     unfinished = [v for v, s in summaries.items() if s["status"] != "completed"]
     if unfinished:  # e.g. SIGTERM: the runs are checkpointed; rerunning the same command resumes them
         print(f"stopped before the end ({', '.join(unfinished)}); rerun the same command to resume", flush=True)
-        return 0
+        signum = loop.stop_signal()
+        return 128 + signum if signum else 0  # 130 / 143 after SIGINT / SIGTERM, as train.py; 0 after stop_after
     rows = [("variant", "params", "steps", "tokens", "train loss", "val loss", "val ppl", "val tokens", "tok/s")]
     for v, s in summaries.items():
         tps = f"{s['tokens_per_second']:,.0f}" if s["tokens_per_second"] else "-"

@@ -436,6 +436,8 @@ def main(argv: list[str] | None = None) -> None:
                             model_overrides=json.loads(args.model), train_overrides=json.loads(args.train))
             if cell is None:
                 _log(f"[{cell_name(variant, m)}] stopped with a checkpoint; rerun the same command to continue")
+                if loop.stop_signal():  # SIGINT / SIGTERM: exit 130 / 143, as train.py and the sweep do
+                    raise SystemExit(128 + loop.stop_signal())
                 return
             path.write_text(json.dumps(cell, indent=1))
             cells.append(cell)

@@ -15,9 +15,10 @@ seeds of the cell as one vmapped program, checkpoints, metrics.jsonl, TensorBoar
 * resumes it from its latest checkpoint when it has one (exactly: the loop's resume is bitwise);
 * starts it otherwise.
 
-SIGTERM or Ctrl-C stops the running cell at the next step boundary with a checkpoint and stops the sweep; the same
-command later continues it, recomputing no finished step (after a SIGKILL, the steps since the cell's last
-checkpoint, ``checkpoint.every`` = one evaluation interval, are trained again). A cell directory made for another
+SIGTERM or Ctrl-C stops the running cell at the next step boundary with a checkpoint and stops the sweep with exit
+status 143 or 130 (as train.py; 0 means every cell finished and the tables are written); the same command later
+continues it, recomputing no finished step (after a SIGKILL, the steps since the cell's last checkpoint,
+``checkpoint.every`` = one evaluation interval, are trained again). A cell directory made for another
 configuration is refused (``--force`` retrains it from scratch). When every cell is done, ``experiments.reports``
 writes the tables and figures from the run directories into OUT (results.csv, results.md, curves.csv, plots).
 
@@ -454,6 +455,8 @@ def main(argv: list[str] | None = None) -> None:
     command = "python -m experiments.sweep " + " ".join(
         shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]) if not a.startswith("--cache-dir"))
 
+    stopped: list[bool] = []  # set when a cell was stopped before the end (SIGINT/SIGTERM or train.stop_after)
+
     def sweep() -> None:
         if args.spec:
             runs = load_spec(args.spec)
@@ -478,6 +481,7 @@ def main(argv: list[str] | None = None) -> None:
         results = run_all(runs, out, runs_dir, args.cache_dir, eval_points=args.eval_points, force=args.force,
                           reuse=reuse)
         if results is None:
+            stopped.append(True)
             return
         targets = {"main": "coupled_euler"} if args.recipe == "e" else None
         reports.report(results, out, command, args.target_ppl, targets,
@@ -485,6 +489,8 @@ def main(argv: list[str] | None = None) -> None:
         log(f"wrote {out}/results.csv and results.md")
 
     code = cli.run_guarded(sweep)  # a user's mistake: one line "error: ..." on stderr, exit status 2
+    if code == 0 and stopped and loop.stop_signal():
+        code = 128 + loop.stop_signal()  # stopped by SIGINT/SIGTERM (130/143), like train.py: rerun to continue
     if code:
         raise SystemExit(code)
 

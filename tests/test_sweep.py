@@ -58,9 +58,11 @@ def test_stopped_sweep_resumes_and_matches_uninterrupted(spec, monkeypatch, caps
 
     monkeypatch.setattr(tasks, "global_seed_batch", counting_batch)
     try:
-        sweep.main([*argv, "--out", str(stopped)])
+        with pytest.raises(SystemExit) as info:
+            sweep.main([*argv, "--out", str(stopped)])
     finally:
         loop._STOP_SIGNAL.clear()
+    assert info.value.code == 128 + signal.SIGTERM  # 143: stopped, not finished (as train.py)
     monkeypatch.setattr(tasks, "global_seed_batch", real_batch)
     assert json.loads((stopped / "runs" / "standard" / "summary.json").read_text())["status"] == "completed"
     assert json.loads((stopped / "runs" / "coupled_euler" / "summary.json").read_text())["status"] == "interrupted"

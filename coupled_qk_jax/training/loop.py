@@ -62,6 +62,12 @@ from coupled_qk_jax.training.writers import MetricsWriter, read_metrics, write_j
 _STOP_SIGNAL: list[int] = []
 
 
+def stop_signal() -> int | None:
+    """The number of the SIGINT/SIGTERM that asked this process to stop, or None. Drivers that run several trainings
+    (experiments/sweep.py, main_job.py) exit 128 + it, as train.py does, so a script can tell stopped from finished."""
+    return _STOP_SIGNAL[0] if _STOP_SIGNAL else None
+
+
 class NonFiniteLossError(RuntimeError):
     """The loss or the gradient norm became NaN/inf; the message names the step and the last good checkpoint."""
 
