@@ -110,18 +110,38 @@ def _query_blocks(cfg: ModelConfig, seq: int) -> list[tuple[int, int]]:
     return [(lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:]) if hi > lo]
 
 
-def layer_residuals(cfg: ModelConfig, seq: int, bytes_per: int, tensor: int = 1,
-                    kernel: str = "explicit") -> tuple[dict[str, float], dict[str, float]]:
+def saved_policy(cfg: ModelConfig) -> str:
+    """Which residuals a layer keeps (model.py): "dots" (the weight matmuls' outputs) for remat=dots and for the
+    scanned layers' remat=none (TransformerLM._scan_blocks), "everything" for the Python loop's remat=none, "input"
+    for remat=full / nothing_saveable."""
+    if cfg.remat in ("full", "nothing_saveable"):
+        return "input"
+    return "dots" if cfg.remat == "dots" or cfg.scan_layers else "everything"
+
+
+def layer_residuals(cfg: ModelConfig, seq: int, bytes_per: int, tensor: int = 1, kernel: str = "explicit",
+                    policy: str = "everything") -> tuple[dict[str, float], dict[str, float]]:
     """What one block saves for its backward pass on one device, as (bytes per sequence, bytes per layer) by name.
 
-    Counted from the code (see the module docstring); remat "none", RMSNorm, softmax scoring. `kernel`: "explicit"
-    (the CPU path, which `--xla` compiles) or "fused" (Pallas flash / cuDNN). Tensor-split terms are divided by
-    `tensor`; the per-layer terms are the bf16 weight casts and the norms' broadcast scales.
+    Counted from the code (see the module docstring); RMSNorm, softmax scoring. `policy`: "everything" (every
+    residual autodiff needs) or "dots" (the outputs of the weight matmuls, and the block input; the rest is
+    recomputed in the backward pass). `kernel` ("everything" only): "explicit" (the CPU path, which `--xla`
+    compiles) or "fused" (Pallas flash / cuDNN). Tensor-split terms are divided by `tensor`; the per-layer terms are
+    the bf16 weight casts and the norms' broadcast scales.
     """
     if cfg.scoring != "softmax" or cfg.norm != "rmsnorm":
         raise ValueError(f"memory_model counts softmax scoring with RMSNorm; got scoring={cfg.scoring!r}, "
                          f"norm={cfg.norm!r}")
     d, a, ff, t, b = cfg.d_model, cfg.n_heads, cfg.d_ff, seq, bytes_per
+    method = DYNAMICS_METHOD.get(cfg.qk_transform)
+    if policy == "dots":  # x, the attention output (W_O's), and q, k, v, the MLP's first matmul, f's two matmuls
+        evals = 0
+        if method is not None and cfg.dynamics_backward == "autodiff":
+            evals = {"euler": cfg.n_steps, "leapfrog": cfg.n_steps + 1, "uncoupled": 2 * cfg.n_steps}[method]
+        split = b * t * (3 * d + ff + evals * (a * cfg.coupling_hidden + d))
+        return {"block input, attention output": 2 * b * t * d, "q, k, v, MLP hidden, f": split / tensor}, {}
+    if policy != "everything":
+        raise ValueError(f"policy must be 'everything' or 'dots', got {policy!r}")
     seqs: dict[str, float] = {"norms": 2 * t * ((8 + b) * d + 8)}
     split: dict[str, float] = {}
     if kernel == "explicit":
@@ -135,7 +155,6 @@ def layer_residuals(cfg: ModelConfig, seq: int, bytes_per: int, tensor: int = 1,
         split["attention q, k, v, o, statistics"] = 4 * b * t * d + 8 * a * t
     else:
         raise ValueError(f"kernel must be 'explicit' or 'fused', got {kernel!r}")
-    method = DYNAMICS_METHOD.get(cfg.qk_transform)
     if method is not None:
         n, ah = cfg.n_steps, a * cfg.coupling_hidden
         if cfg.dynamics_backward == "reversible":
@@ -159,25 +178,29 @@ def layer_residuals(cfg: ModelConfig, seq: int, bytes_per: int, tensor: int = 1,
 
 
 def activation_bytes(cfg: ModelConfig, seq: int, sequences: float, bytes_per: int, tensor: int = 1,
-                     remat: bool = False, kernel: str = "explicit", cpu_upcast: bool = False) -> float:
-    """Bytes of activations on one device holding `sequences` sequences: every layer's residuals (or, with full
-    remat, every layer's input plus one layer's residuals), the head's residuals and the logits' cotangent.
+                     kernel: str = "explicit", cpu_upcast: bool = False) -> float:
+    """Bytes of activations on one device holding `sequences` sequences, for the policy model.py runs
+    (`saved_policy`): every layer's residuals, plus, where the backward pass recomputes a layer ("dots", "input"),
+    that one layer's full residuals while it does; and the head's residuals with the logits' cotangent.
 
     cpu_upcast: XLA:CPU computes bf16 in float32, so for the backward pass it converts the layer-stacked bf16
     residuals to float32 copies, hoisted out of the layer loop (`wrapped_convert` buffers of shape [L, ...] in the
     buffer assignment); each replaces its bf16 stack, so a residual's 2 bytes become 4. TPUs and GPUs compute in bf16
     and make no such copies."""
-    def layer_bytes(b: int) -> float:
-        per_seq, per_layer = layer_residuals(cfg, seq, b, tensor, kernel)
+    policy = saved_policy(cfg)
+
+    def layer_bytes(b: int, pol: str) -> float:
+        if pol == "input":
+            return sequences * seq * b * cfg.d_model
+        per_seq, per_layer = layer_residuals(cfg, seq, b, tensor, kernel, pol)
         return sequences * sum(per_seq.values()) + sum(per_layer.values())
 
-    one_layer = layer_bytes(bytes_per)
+    saved = layer_bytes(bytes_per, policy)
     if cpu_upcast and bytes_per != 4:  # every term is linear in b: the compute-dtype part is f(b) - f(0)
-        one_layer += (4 - bytes_per) / bytes_per * (one_layer - layer_bytes(0))
+        saved += (4 - bytes_per) / bytes_per * (saved - layer_bytes(0, policy))
+    recomputed = layer_bytes(bytes_per, "everything") if policy != "everything" else 0.0
     head = sequences * seq * ((8 + bytes_per) * cfg.d_model + 8 + 2 * 4 * cfg.vocab_size / tensor)
-    if remat:
-        return cfg.n_layers * sequences * seq * bytes_per * cfg.d_model + one_layer + head
-    return cfg.n_layers * one_layer + head
+    return cfg.n_layers * saved + recomputed + head
 
 
 def flops_per_token(cfg: ModelConfig, n_params: int, seq: int) -> float:
@@ -205,8 +228,9 @@ def report(variant: str, scales: list[str], bytes_per: int, kernel: str = "fused
         n = abstract_param_count(cfg)
         n_std = abstract_param_count(dataclasses.replace(cfg, variant="standard"))
         cfg = dataclasses.replace(cfg, dtype="bfloat16" if bytes_per == 2 else "float32")
+        full = dataclasses.replace(cfg, remat="full")
         act = activation_bytes(cfg, seq, batch, bytes_per, kernel=kernel) / (batch * seq)
-        act_r = activation_bytes(cfg, seq, batch, bytes_per, remat=True, kernel=kernel) / (batch * seq)
+        act_r = activation_bytes(full, seq, batch, bytes_per, kernel=kernel) / (batch * seq)
         fl = flops_per_token(cfg, n, seq)
         tps = [MFU * peak / fl for peak in PEAKS.values()]
         lines.append(f"| {scale} | {n_std:,} | {n:,} | {4 * n / GIB:.2f} GiB | {4 * n / GIB:.2f} GiB | "
@@ -221,7 +245,7 @@ def report(variant: str, scales: list[str], bytes_per: int, kernel: str = "fused
                 tokens = sequences * seq
                 state = sharded_state_bytes(cfg, shape) + embedding_extra_bytes(cfg, shape, bytes_per)
                 a_full = activation_bytes(cfg, seq, sequences, bytes_per, tensor, kernel=kernel)
-                a_remat = activation_bytes(cfg, seq, sequences, bytes_per, tensor, remat=True, kernel=kernel)
+                a_remat = activation_bytes(full, seq, sequences, bytes_per, tensor, kernel=kernel)
                 per_mesh.append(f"| {scale} | {n_dev} | {data}×{fsdp}×{tensor} | {batch}×{seq} | {tokens:,.0f} | "
                                 f"{state / GIB:.2f} | {a_full / GIB:.2f} | {(state + a_full) / GIB:.2f} | "
                                 f"{a_remat / GIB:.2f} | {(state + a_remat) / GIB:.2f} |")
