@@ -1,7 +1,11 @@
 """The mixed-precision policy (coupled_qk_jax/precision.py): bf16 gradients against fp32 ones, every parameter leaf of
-every variant, and the pieces of the policy on their own against float64 references."""
+every variant, and the pieces of the policy on their own against float64 references.
+
+`python -m pytest tests/test_precision.py -q -rP -k every_leaf` prints each case's per-leaf table.
+"""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +14,7 @@ import pytest
 from flax import nnx
 
 from coupled_qk_jax.config import ALL_VARIANTS, ModelConfig
-from coupled_qk_jax.model import TransformerLM
+from coupled_qk_jax.model import TransformerLM, to_scanned, to_unscanned
 from coupled_qk_jax.precision import add_bias
 from coupled_qk_jax.training import steps
 
@@ -19,19 +23,19 @@ TOKENS = jax.random.randint(jax.random.key(1), (4, T + 1), 0, 97)
 BATCH = {"inputs": TOKENS[:, :-1], "targets": TOKENS[:, 1:]}
 
 
-def model_config(variant: str) -> ModelConfig:
+def model_config(variant: str, **overrides) -> ModelConfig:
     # coupled_euler at n = 1 with learned positions: adding f's output bias b2 to every key shifts every score of a
     # query by the same q·(Δt·b2), which the softmax ignores, so b2's true gradient is exactly 0 and the comparison
     # has no signal; RoPE rotates the shift per position and gives b2 a real gradient.
     rope = variant.startswith("coupled_euler")
     return ModelConfig(variant=variant, vocab_size=97, max_len=T, d_model=32, n_layers=2, n_heads=4, d_ff=64,
                        coupling_hidden=8, affine_hidden=8, norm="layernorm", dt_init=0.3,
-                       positions="rope" if rope else "learned")
+                       positions="rope" if rope else "learned", **overrides)
 
 
 def trained_looking_params(cfg: ModelConfig) -> dict:
-    """Init params with the zero-initialised output layers of f and the affine nets made non-zero (at f ≡ 0 the first
-    layer's gradient is exactly 0) and LayerNorm shifts non-zero."""
+    """Init params (unscanned layout) with the zero-initialised output layers of f and the affine nets made non-zero
+    (at f ≡ 0 the first layer's gradient is exactly 0) and LayerNorm shifts non-zero."""
     _, params = steps.split_model(TransformerLM(cfg, 0))
     rng = np.random.default_rng(0)
 
@@ -44,36 +48,69 @@ def trained_looking_params(cfg: ModelConfig) -> dict:
     return jax.tree_util.tree_map_with_path(perturb, params)
 
 
-def grads(cfg: ModelConfig, params: dict) -> dict:
+@functools.cache
+def grad_fn(cfg: ModelConfig):
+    """The jitted gradient of the mean loss on BATCH, one per config (compiled once, reused by every call)."""
     graphdef, _ = steps.split_model(nnx.eval_shape(lambda: TransformerLM(cfg, 0)))
     loss_fn = steps.make_loss_fn(graphdef)
-    return jax.jit(jax.grad(lambda p: loss_fn(p, BATCH)[0]))(params)
+    return jax.jit(jax.grad(lambda p: loss_fn(p, BATCH)[0]))
 
 
-# DiffAttn's λ enters through A1 − λ·A2 followed by the head norm, which removes the output's own direction, so dL/dλ
-# (one scalar per layer; λ's four vectors share it) is a small difference of large terms. With everything on its path
-# in float32 (precision.py) its bf16 value still moved by 0.1–9% with the data (coupled_euler+differential, layer 1:
-# 7.7% at batch 2, 6.9% at batch 4, 8.6% at batch 8, 0.8% with another batch of 4): the bf16 rounding of the
-# activations and cotangents around the layer, not a reduction. Its norm bound is 10%; every other leaf's is 5%.
-LAMBDA_NORM_TOL = 0.10
+def norm_ratio(a, b) -> float:
+    return float(np.linalg.norm(np.asarray(b, np.float64)) / np.linalg.norm(np.asarray(a, np.float64)))
 
 
-@pytest.mark.parametrize("variant", ALL_VARIANTS)
-def test_bf16_gradients_match_fp32_for_every_leaf(variant):
+# The floor. A few leaves' gradients are near-cancelling sums: coupled_euler+differential's layer-1 λ gradient is
+# 1.7e-6 against layer 0's 1.1e-4 here, and the fp32 gradient itself moves by 3.6–8.2% (seeds 0–3) when every
+# parameter is multiplied by 1 + U(±2^-9), less than rounding it to bf16 does (up to 2^-8), which the bf16 policy does
+# to every weight of every matmul before any activation is rounded. The bf16 gradient of that leaf scatters the same
+# way, from the same bf16 arithmetic in different programs: 4.9% off unscanned, 9.6% with scanned layers, 6.9% before
+# the scores were scaled in float32. No bf16 computation can hold such a leaf to 5%. So each leaf's norm bound is
+# max(5%, 3σ), σ being the RMS change of the fp32 gradient's norm over the FLOOR_SEEDS parameter perturbations (4.8%
+# for that leaf, hence ±14.5%): 5% wherever the gradient is well-conditioned (every other leaf of every variant), and
+# still failing a bf16 reduction (Δt summed in bf16 was 7–230% off) or bf16 per-head outputs under a mix (λ up to 5×
+# off, its sign flipped).
+FLOOR_SEEDS = range(6)
+HALF_ULP = 2.0 ** -9
+
+
+@functools.cache
+def fp32_reference(variant: str) -> tuple[dict, list[str], list[np.ndarray], np.ndarray]:
+    """(params, leaf names, fp32 gradient leaves, per-leaf σ of the norm under parameter perturbations) of the
+    unscanned fp32 model."""
     cfg = model_config(variant)
     params = trained_looking_params(cfg)
-    g32 = grads(cfg, params)
-    g16 = grads(dataclasses.replace(cfg, dtype="bfloat16"), params)
+    paths, g32 = zip(*jax.tree_util.tree_flatten_with_path(grad_fn(cfg)(params))[0])
+    moves = []
+    for seed in FLOOR_SEEDS:
+        rng = np.random.default_rng(seed)
+        moved = jax.tree.map(lambda x: x * (1 + jnp.asarray(rng.uniform(-HALF_ULP, HALF_ULP, x.shape))), params)
+        moves.append([norm_ratio(a, b) - 1 for a, b in zip(g32, jax.tree.leaves(grad_fn(cfg)(moved)))])
+    sigma = np.sqrt(np.mean(np.square(moves), axis=0))
+    return params, [jax.tree_util.keystr(p) for p in paths], [np.asarray(g) for g in g32], sigma
+
+
+CASES = [(v, "auto", False) for v in ALL_VARIANTS]
+
+
+@pytest.mark.parametrize("variant,impl,scan", CASES)
+def test_bf16_gradients_match_fp32_for_every_leaf(variant, impl, scan):
+    params, names, g32, sigma = fp32_reference(variant)
+    cfg = model_config(variant, dtype="bfloat16", attention_impl=impl, scan_layers=scan)
+    g16 = grad_fn(cfg)(to_scanned(params) if scan else params)
+    g16 = jax.tree.leaves(to_unscanned(g16) if scan else g16)  # per layer, in the unscanned leaves' order
+    assert [x.shape for x in g16] == [x.shape for x in g32]
     failures = []
-    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(g32)[0], jax.tree.leaves(g16)):
+    print(f"{variant} impl={impl} scan_layers={scan}: leaf, cosine, norm ratio, norm bound")
+    for name, a, b, sig in zip(names, g32, g16, sigma):
         assert b.dtype == jnp.float32  # parameters, hence their gradients, stay float32
         a, b = np.asarray(a, np.float64).ravel(), np.asarray(b, np.float64).ravel()
-        assert np.linalg.norm(a) > 0, f"{jax.tree_util.keystr(path)}: zero fp32 gradient, nothing to compare"
+        assert np.linalg.norm(a) > 0, f"{name}: zero fp32 gradient, nothing to compare"
         cos = a @ b / (np.linalg.norm(a) * np.linalg.norm(b))
-        ratio = np.linalg.norm(b) / np.linalg.norm(a)
-        tol = LAMBDA_NORM_TOL if "lambda_" in jax.tree_util.keystr(path) else 0.05
+        ratio, tol = norm_ratio(a, b), max(0.05, 3 * sig)
+        print(f"  {name:45s} {cos:.5f} {ratio:.4f} ±{tol:.3f} (σ {sig:.4f})")
         if cos < 0.99 or abs(ratio - 1) > tol:
-            failures.append(f"{jax.tree_util.keystr(path)}: cosine {cos:.4f}, norm ratio {ratio:.3f}")
+            failures.append(f"{name}: cosine {cos:.4f}, norm ratio {ratio:.3f} (bound ±{tol:.3f})")
     assert not failures, failures
 
 
