@@ -134,8 +134,9 @@ def causal_attention(q: Array, k: Array, v: Array, mix: Array | None = None, imp
     over pairs of half-heads with G = H/2 values of width 2D (specs/diffattn.md). The mix is linear, so it is applied
     to the probabilities before the value product where the probabilities exist (the explicit path: the FLOPs of
     plain attention) and to the per-head outputs where a fused kernel hides them. The output has v's dtype, or
-    float32 with a mix: A1 − λ·A2 cancels, and rounding it (or its cotangent) to bf16 before the caller's norm put
-    λ's gradient off by up to 2× (precision.py).
+    float32 with a mix: A1 − λ·A2 cancels, and rounding it, its cotangent or the per-head outputs it is made of to
+    bf16 before the caller's norm puts λ's gradient off by up to 5× (precision.py). So with a mix the XLA and Pallas
+    kernels run on float32 operands and cuDNN (bf16/fp16 only) gives way to the explicit path.
 
     impl: "explicit" (einsums in causal query blocks, `n_chunks` of them, 0 = auto_chunks), "xla" / "cudnn"
     (jax.nn.dot_product_attention), "pallas" (the Pallas TPU flash kernel) or "auto" (choose_implementation, per
@@ -165,8 +166,17 @@ def causal_attention(q: Array, k: Array, v: Array, mix: Array | None = None, imp
         kernel = {name: functools.partial(causal_attention, mix=mix, impl=name, n_chunks=n_chunks)
                   for name in (here, on_tpu)}
         return jax.lax.platform_dependent(q, k, v, tpu=kernel[on_tpu], default=kernel[here])
+    # A mix needs each head's output in float32. λ's gradient is −Σ⟨g, o2⟩ with g ⊥ o1 − λ·o2 (the caller's head
+    # norm), and o1, o2 rounded to bf16 independently carry an error as large as the part of o2 that counts: through
+    # bf16 kernel outputs λ's gradient was off by up to 5× (docs/scaling.md). The XLA and Pallas kernels return
+    # their operands' dtype, so they get float32 operands below (exact upcasts of bf16 q, k, v); cuDNN takes only
+    # bf16/fp16, so under cuDNN a mix runs on the explicit path.
+    if mix is not None and impl == "cudnn":
+        impl = "explicit"
     if impl == "explicit":
         return _explicit_attention(q, k, v, mix, n_chunks, return_weights, visible)
+    if mix is not None:
+        q, k, v = (a.astype(jnp.float32) for a in (q, k, v))
     # Fused kernels take one value per query head of width D: repeat each group's value over its heads, and split a
     # value wider than D into r = Dv/D "virtual heads" that repeat q and k (specs/diffattn.md §6, form 2).
     if dv % d:
@@ -177,7 +187,7 @@ def causal_attention(q: Array, k: Array, v: Array, mix: Array | None = None, imp
     o = _fused_attention(qh, kh, vh, impl).reshape(b, t, h, dv)
     if mix is None:
         return o
-    return (o.astype(jnp.float32) * mix[:, None]).reshape(b, t, g, h // g, dv).sum(axis=3)
+    return (o * mix[:, None]).reshape(b, t, g, h // g, dv).sum(axis=3)
 
 
 def _explicit_attention(q: Array, k: Array, v: Array, mix: Array | None, n_chunks: int, return_weights: bool,
