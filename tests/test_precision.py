@@ -1,5 +1,5 @@
 """The mixed-precision policy (coupled_qk_jax/precision.py): bf16 gradients against fp32 ones, every parameter leaf of
-every variant (the explicit and the fused XLA kernel), and the pieces of the policy on
+every variant (unscanned and scanned layers, the explicit and the fused XLA kernel), and the pieces of the policy on
 their own against float64 references.
 
 `python -m pytest tests/test_precision.py -q -rP -k every_leaf` prints each case's per-leaf table.
@@ -94,7 +94,9 @@ def fp32_reference(variant: str) -> tuple[dict, list[str], list[np.ndarray], np.
 
 CASES = ([(v, "auto", False) for v in ALL_VARIANTS]
          # the fused kernels' form (jax.nn.dot_product_attention; Pallas and cuDNN take the same mixed path) ...
-         + [("coupled_euler+differential", "xla", False)])
+         + [("coupled_euler+differential", "xla", False)]
+         # ... and scanned layers (λ_init from a traced layer index, Δt and f inside the layer scan)
+         + [("coupled_euler+differential", "auto", True)])
 
 
 @pytest.mark.parametrize("variant,impl,scan", CASES)
