@@ -179,9 +179,10 @@ def layer_residuals(cfg: ModelConfig, seq: int, bytes_per: int, tensor: int = 1,
 
 def activation_bytes(cfg: ModelConfig, seq: int, sequences: float, bytes_per: int, tensor: int = 1,
                      kernel: str = "explicit", cpu_upcast: bool = False) -> float:
-    """Bytes of activations on one device holding `sequences` sequences, for the policy model.py runs
-    (`saved_policy`): every layer's residuals, plus, where the backward pass recomputes a layer ("dots", "input"),
-    that one layer's full residuals while it does; and the head's residuals with the logits' cotangent.
+    """Bytes of activations on one device holding `sequences` sequences at the peak (the start of the backward pass),
+    for the policy model.py runs (`saved_policy`): every layer's residuals, plus the larger of the head's residuals
+    with the logits' cotangent and, where the backward pass recomputes a layer ("dots", "input"), that one layer's
+    full residuals.
 
     cpu_upcast: XLA:CPU computes bf16 in float32, so for the backward pass it converts the layer-stacked bf16
     residuals to float32 copies, hoisted out of the layer loop (`wrapped_convert` buffers of shape [L, ...] in the
@@ -198,9 +199,11 @@ def activation_bytes(cfg: ModelConfig, seq: int, sequences: float, bytes_per: in
     saved = layer_bytes(bytes_per, policy)
     if cpu_upcast and bytes_per != 4:  # every term is linear in b: the compute-dtype part is f(b) - f(0)
         saved += (4 - bytes_per) / bytes_per * (saved - layer_bytes(0, policy))
+    # The head's residuals and the logits' cotangent die before the layers' backward pass starts, and the one
+    # layer being recomputed lives only inside it: the peak holds the larger of the two.
     recomputed = layer_bytes(bytes_per, "everything") if policy != "everything" else 0.0
     head = sequences * seq * ((8 + bytes_per) * cfg.d_model + 8 + 2 * 4 * cfg.vocab_size / tensor)
-    return cfg.n_layers * saved + recomputed + head
+    return cfg.n_layers * saved + max(recomputed, head)
 
 
 def flops_per_token(cfg: ModelConfig, n_params: int, seq: int) -> float:
