@@ -16,6 +16,7 @@ import sys
 
 import pytest
 
+from conftest import xla_flags
 from coupled_qk_jax import distributed
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -26,7 +27,7 @@ TIMEOUT_S = 240
 def _env(local_devices: int, cluster: dict[str, str]) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("COUPLED_QK_", "JAX_COORDINATOR", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"))}
-    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={local_devices}",
+    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(local_devices),
                PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep))
     env.update(cluster)
     return env

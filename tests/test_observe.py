@@ -95,3 +95,21 @@ def test_mapped_allocator_reads_proc_maps_lines():
     assert observe.mapped_allocator(je) == "libjemalloc"
     # a path that merely contains the name in a directory is not the allocator
     assert observe.mapped_allocator(glibc + "7f0a-7f0b r--p 0 08:01 5 /opt/libtcmalloc-src/notes.txt.so\n") is None
+
+
+def test_compilation_cache_directory(tmp_path, monkeypatch):
+    """The test session's cache is conftest's temporary directory (the user's ~/.cache is never touched); without
+    JAX_COMPILATION_CACHE_DIR the default is DEFAULT_COMPILATION_CACHE under the home directory, created on demand;
+    JAX_ENABLE_COMPILATION_CACHE=false turns it off."""
+    session = os.environ["JAX_COMPILATION_CACHE_DIR"]
+    assert observe.enable_compilation_cache() == session and os.path.isdir(session)
+    monkeypatch.setenv("HOME", str(tmp_path))  # expanduser("~") follows HOME: the default lands in tmp_path
+    try:
+        jax.config.update("jax_compilation_cache_dir", None)
+        default = observe.enable_compilation_cache()
+        assert default == str(tmp_path / ".cache" / "coupled_qk_jax" / "xla") and os.path.isdir(default)
+        jax.config.update("jax_enable_compilation_cache", False)
+        assert observe.enable_compilation_cache() is None
+    finally:
+        jax.config.update("jax_enable_compilation_cache", True)
+        jax.config.update("jax_compilation_cache_dir", session)

@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from conftest import xla_flags
 from test_training import write_corpus
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -20,7 +21,7 @@ SUMMARY_KEYS = {"variant", "scale", "n_params", "step", "tokens_seen", "train_lo
 
 def _env() -> dict[str, str]:
     env = dict(os.environ)
-    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2", PYTHONPATH=ROOT)
+    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(2), PYTHONPATH=ROOT)
     return env
 
 
