@@ -267,7 +267,8 @@ class TransformerLM(nnx.Module):
             # slices of every query block) is written into a stacked [L, ...] buffer by the forward loop and read
             # back by the backward loop, where the loop keeps XLA from fusing the cheap ones into their backward
             # consumers as it does in one unrolled graph. Measured on CPU (benchmarks/NOTES.md, "Scanned layers on
-            # CPU"): 0.79-0.81x the step time of saving everything, below the Python loop's, at 0.37x the memory.
+            # CPU"): 0.79-0.94x the step time of saving everything at 0.37x its memory; vs the Python loop 0.93-1.08x
+            # under glibc malloc, 1.08-1.15x under tcmalloc (the recomputation is that floor; other policies cost more).
             policy = REMAT_POLICIES["dots" if cfg.remat == "none" else cfg.remat]
             body = jax.checkpoint(body, policy=policy, prevent_cse=False)
         x, aux = jax.lax.scan(body, x, (nnx.to_pure_dict(stacked), jnp.arange(cfg.n_layers), layer_keys))
