@@ -1,5 +1,6 @@
 """Seeds as an axis of the training loop (`train.num_seeds`): with dropout on, replica i of a seed-parallel run is
-the single run with seed i (checked for i = 1 of seeds {0, 1}); a seed-parallel run killed with SIGKILL and resumed is bitwise the uninterrupted run.
+the single run with seed i (checked for i = 1 of seeds {0, 1}), also with scanned layers (`model.scan_layers`);
+a seed-parallel run killed with SIGKILL and resumed is bitwise the uninterrupted run.
 
 The independent reference of the first test is the ordinary single-seed loop (no seed axis, no vmap). Tolerance:
 the two programs are the same maths but not the same XLA program (vmap turns each matmul into a batched one, which
@@ -15,9 +16,11 @@ import subprocess
 import sys
 import time
 
+import jax
 import numpy as np
 import pytest
 
+from coupled_qk_jax.model import to_unscanned
 from coupled_qk_jax.training import loop
 from coupled_qk_jax.training.writers import read_metrics
 from test_training import leaves_with_names, tiny_config
@@ -67,6 +70,28 @@ def test_replica_i_is_the_single_run_with_seed_i(runs):
     vals = np.array(par_summary["val_loss/seeds"])
     assert par_summary["val_loss"] == pytest.approx(vals.mean())
     assert par_summary["val_loss/std"] == pytest.approx(vals.std(ddof=1))
+
+
+def test_seed_parallel_with_scanned_layers(runs):
+    """train.num_seeds=2 with model.scan_layers=True (the default from 60m up): jax.vmap over the seed axis of the
+    lax.scan over stacked layers, each layer under jax.checkpoint, dropout on. Replica 1 is the single run with seed
+    1; the reference is the module's *unscanned* single run, so the check also crosses the layer layouts (the
+    scanned state is converted back with model.to_unscanned). Tolerance as above: the layouts agree to float32
+    rounding (tests/test_scan.py), which a few AdamW steps leave far below a wrong key or data stream."""
+    root, _, (summary, state) = runs
+    cfg = _cfg(root, num_seeds=2)
+    cfg.model.scan_layers = True
+    par_summary, par_state = loop.train(cfg, str(root / "par_scan"), progress=False, return_state=True)
+    assert par_summary["seeds"] == [0, 1] and par_summary["step"] == STEPS
+    losses = _losses(root / "par_scan")
+    np.testing.assert_allclose(losses[:, 1], _losses(root / "seed1")[:, 0], rtol=1e-5)
+    np.testing.assert_allclose(par_summary["val_loss/seeds"][1], summary["val_loss"], rtol=1e-5)
+    assert not np.allclose(losses[:, 0], losses[:, 1])
+    replica = leaves_with_names(to_unscanned(jax.tree.map(lambda a: np.asarray(a)[1], par_state)))
+    single = leaves_with_names(state)
+    assert replica.keys() == single.keys()
+    for name, value in single.items():
+        np.testing.assert_allclose(replica[name], value, rtol=0, atol=1e-6, err_msg=name)
 
 
 def test_sigkill_mid_run_then_resume_is_bitwise(runs):
