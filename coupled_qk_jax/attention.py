@@ -204,7 +204,7 @@ def _explicit_attention(q: Array, k: Array, v: Array, mix: Array | None, n_chunk
     n = 1 if visible is not None else max(1, min(n_chunks or auto_chunks(t), t))
     # Heads-major inside the kernel: every matmul below is a plain batch over (B, H) with contiguous [T, d] operands
     # (what XLA:CPU's dot emitter wants); the transposes stay here, the layer sees [B, T, H, D].
-    qt = jnp.swapaxes(q, 1, 2)
+    qt = jnp.swapaxes(q * jnp.asarray(d ** -0.5, q.dtype), 1, 2)
     kt, vt = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
     bounds = [t * i // n for i in range(n + 1)]
     outs, weights = [], []
@@ -215,10 +215,7 @@ def _explicit_attention(q: Array, k: Array, v: Array, mix: Array | None, n_chunk
             keys, mask = hi, (lo + jnp.arange(hi - lo))[:, None] >= jnp.arange(hi)[None, :]
         else:
             keys, mask = s_kv, visible[:, None]
-        # 1/√D scales the float32 scores (fused into the softmax's elementwise pass): scaling a bf16 q instead
-        # would round q a second time (precision.py).
-        s = jnp.einsum("bhqd,bhkd->bhqk", qt[:, :, lo:hi], kt[:, :, :keys],
-                       preferred_element_type=jnp.float32) * d ** -0.5
+        s = jnp.einsum("bhqd,bhkd->bhqk", qt[:, :, lo:hi], kt[:, :, :keys], preferred_element_type=jnp.float32)
         e, inv_sum = _exp_and_norm(jnp.where(mask, s, jnp.finfo(jnp.float32).min))
         if mix is None and not return_weights:
             # Deferred normalisation: scale the [c, dv] output rows instead of the [c, S] probabilities (S/dv times

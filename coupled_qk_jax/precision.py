@@ -18,8 +18,7 @@ and what CPU runs use) or bfloat16 (accelerators). Under bfloat16:
     rounding the output, its cotangent or the two half-heads' outputs to bf16 put it off by up to 5×. Fused kernels
     return their operands' dtype, so under a mix the XLA and Pallas kernels get float32 operands (exact upcasts of
     the bf16 q, k, v) and cuDNN, which takes only bf16/fp16, gives way to the explicit path (attention.py).
-  - the softmax: scores accumulate in float32 (`preferred_element_type`) and are scaled by 1/√d there (scaling
-    a bf16 q would round it twice), exp and row sums in float32.
+  - the softmax: scores accumulate in float32 (`preferred_element_type`), exp and row sums in float32.
   - the loss: the tied head returns float32 logits (`preferred_element_type`) and the cross-entropy is float32.
 - **float16 is refused** (`model.dtype`): its 5-bit exponent needs dynamic loss scaling, which is not implemented
   (the JAX library for it, `jmp`, has had no release since 2023). bfloat16 has float32's exponent range and needs
