@@ -118,6 +118,15 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         # H100 SXM in bf16 dense (the vendor's figure for the dtype you train in); 0 = not logged (CPU).
         peak_tflops=0.0,
         profile_steps=0,  # N > 0: a jax.profiler trace of steps 2..N+1 into WORKDIR/profile
+        # Stop at the end of learning (training/early_stop.py): a plateau of `metric` for `patience` evaluations
+        # (no change beyond min_delta), or `threshold` reached; with several seeds, once every seed has.
+        early_stop=ml_collections.ConfigDict(dict(
+            metric="",  # "" = off; "val_loss" / "val_ppl" (LM), "valid/accuracy" / "valid/loss" (MQAR)
+            mode="max",  # "max" for accuracy, "min" for a loss
+            patience=0,
+            min_delta=0.0,
+            threshold=ml_collections.config_dict.placeholder(float),
+        )),
     ))
 
     cfg.checkpoint = ml_collections.ConfigDict(dict(

@@ -58,6 +58,7 @@ import ml_collections
 
 from coupled_qk_jax.errors import UserError
 from coupled_qk_jax.reporting import log
+from coupled_qk_jax.training import rundir
 from experiments import reports
 from experiments.corpora_prep import heterogeneous_corpus
 
@@ -244,12 +245,23 @@ def cell_status(workdir: Path) -> str:
     return "new"
 
 
-def _same_training(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    """Two cell specs train the same thing (names and groups only organise the report)."""
-    def strip(spec):
-        return {**spec, "run": {k: v for k, v in spec["run"].items() if k not in ("name", "group")}}
+STOP_RULE = tuple(f for f in rundir.CHANGEABLE_FIELDS if f.startswith("train.early_stop."))
 
-    return strip(a) == strip(b)
+
+def _training(spec: dict[str, Any]) -> dict[str, Any]:
+    """What a cell spec trains: its Run fields but name and group (they only organise the report) and the
+    stopping rule (train.early_stop: a stopped run is a prefix of the full one, so a cell may resume under another
+    rule), and its config with the fields added since a run started read as they were (rundir.ADDED_FIELDS)."""
+    run = {k: v for k, v in spec["run"].items() if k not in ("name", "group")}
+    run["config"] = {k: v for k, v in run.get("config", {}).items() if k not in STOP_RULE}
+    config = {**rundir.ADDED_FIELDS, **rundir.flatten(spec["config"])}
+    config = {k: v for k, v in config.items() if k not in STOP_RULE}
+    return {"run": run, "config": config}
+
+
+def _same_training(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Two cell specs train the same thing (see :func:`_training`)."""
+    return _training(a) == _training(b)
 
 
 def _find_reusable(spec: dict[str, Any], reuse: list[Path]) -> Path | None:
@@ -294,7 +306,7 @@ def run_cell(run: Run, cfg: ml_collections.ConfigDict, workdir: Path, *, force: 
     if workdir.exists() and force:
         shutil.rmtree(workdir)
     saved = workdir / "cell.json"
-    if saved.is_file() and json.loads(saved.read_text()) != spec:
+    if saved.is_file() and not _same_training(json.loads(saved.read_text()), spec):
         raise UserError(f"{workdir} holds cell {run.name!r} trained with another configuration; use another "
                          f"--out / --runs-dir, or --force to retrain it from scratch")
     status = cell_status(workdir)
@@ -310,7 +322,7 @@ def run_cell(run: Run, cfg: ml_collections.ConfigDict, workdir: Path, *, force: 
         log(f"[{run.name}] done, skipping")
     else:
         log(f"[{run.name}] {'resuming' if status == 'partial' else 'starting'} in {workdir}")
-        summary = loop.train(cfg, str(workdir), progress=False)
+        summary = loop.train(cfg, str(workdir), progress=False, allow_change=STOP_RULE)
         if summary["status"] != "completed":
             return summary["status"]
     diag = workdir / "diagnostics.json"

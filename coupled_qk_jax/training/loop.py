@@ -52,6 +52,7 @@ from coupled_qk_jax.model import TransformerLM
 from coupled_qk_jax.training import observe
 from coupled_qk_jax.training import optimizer as opt_lib
 from coupled_qk_jax.training import rundir, tasks
+from coupled_qk_jax.training.early_stop import EarlyStop
 from coupled_qk_jax.training.checkpoint import Checkpointer, abstract_target
 from coupled_qk_jax.training.steps import init_train_state, make_train_step, split_model
 from coupled_qk_jax.reporting import mean_std
@@ -142,6 +143,7 @@ def validate(cfg: ml_collections.ConfigDict, mesh_batch_devices: int) -> ModelCo
                          f"{mesh_batch_devices} data-parallel devices (mesh.data * mesh.fsdp); change the batch "
                          f"size or --config.mesh.data")
     seeds_of(cfg)  # validates train.num_seeds
+    EarlyStop.from_config(cfg.train, 1, tasks.METRIC_NAMES[tasks.task_name(cfg)])  # validates train.early_stop
     for name in ("log_every", "eval_every", "eval_batches"):
         if int(cfg.train[name]) < 0:
             raise UserError(f"train.{name} must be >= 0, got {cfg.train[name]}")
@@ -543,7 +545,12 @@ def _train_locked(cfg: ml_collections.ConfigDict, workdir: str, progress: bool, 
                   if logged else np.full(n_seeds, np.nan))
     train_seconds_before = float(logged[-1].get("train_seconds", 0.0)) if logged else 0.0
     val: dict[str, Any] = {}
-    status = "completed" if stop_at == steps else "stopped"
+    # train.early_stop: judged on the logged evaluations, so a resumed run first replays them (and a run that had
+    # already stopped early trains no further).
+    early = EarlyStop.from_config(cfg.train, n_seeds, tasks.METRIC_NAMES[s.task.name])
+    if early is not None and early.replay(read_metrics(workdir), step):
+        stop_at = step
+    status = "completed" if stop_at == steps or (early is not None and early.done) else "stopped"
     # Throughput over this process's steps, from the end of the first step (which includes compilation), with the
     # periodic evaluations' time taken out.
     t_first, steps_timed, eval_seconds, first_step_seconds = None, 0, 0.0, None
@@ -622,10 +629,14 @@ def _train_locked(cfg: ml_collections.ConfigDict, workdir: str, progress: bool, 
                 val = validate_now()
                 writer.write(step, per_seed(val, n_seeds))
                 t_window += time.perf_counter() - now  # the window's tokens/s counts training time only
+                if early is not None and early.update(step, val[early.metric]):
+                    status, save_now = "completed", True  # the end of learning: this step is the run's last
             if save_now:
                 save(step)
             if stop_requested:
                 status = "interrupted"
+                break
+            if early is not None and early.done:
                 break
         bar.close()
         sync()
@@ -651,6 +662,7 @@ def _train_locked(cfg: ml_collections.ConfigDict, workdir: str, progress: bool, 
                **summary_metrics({"train_loss": np.asarray(train_loss, np.float64)}, n_seeds),
                **({"val_loss": None, "val_ppl": None, "val_tokens": None} if s.task.name == "lm" else {}),
                **summary_metrics(val, n_seeds), "checkpoint_step": last_saved,
+               **({"early_stop": early.summary()} if early is not None else {}),
                "wall_seconds": round(time.time() - t_start, 3),
                "train_seconds": round(train_seconds_before + train_time, 3),
                # compilation (or a persistent-cache hit) plus one step, in this process

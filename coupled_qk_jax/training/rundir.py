@@ -52,7 +52,12 @@ FINGERPRINTED_FIELDS = frozenset({"data.corpus", "data.tokenizer_path"})
 # Meaningful to change on resume; each needs --allow_change=FIELD and is recorded in history.jsonl.
 CHANGEABLE_FIELDS = ("train.steps", "train.log_every", "train.eval_every", "train.eval_batches",
                      "train.eval_batch_size", "checkpoint.every", "checkpoint.every_seconds", "checkpoint.keep_last",
-                     "checkpoint.keep_every")
+                     "checkpoint.keep_every", "train.early_stop.metric", "train.early_stop.mode",
+                     "train.early_stop.patience", "train.early_stop.min_delta", "train.early_stop.threshold")
+# Fields added to the configs after runs existed, with the value that means what those runs did: a run whose
+# config.json lacks one resumes (and is evaluated) under a config holding that value, as if it had been recorded.
+ADDED_FIELDS = {"train.early_stop.metric": "", "train.early_stop.mode": "max", "train.early_stop.patience": 0,
+                "train.early_stop.min_delta": 0.0, "train.early_stop.threshold": None}
 _ABSENT = "<absent>"
 
 
@@ -144,8 +149,12 @@ def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def config_differences(old: dict[str, Any], new: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
-    """``{field: (old, new)}`` of every leaf field that differs (a missing field reads as "<absent>")."""
+    """``{field: (old, new)}`` of every leaf field that differs (a missing field reads as "<absent>"; a field of
+    :data:`ADDED_FIELDS` missing from ``old`` reads as its value there)."""
     a, b = flatten(jsonable(old)), flatten(jsonable(new))
+    for k, v in ADDED_FIELDS.items():
+        if k not in a and k in b:
+            a[k] = v
     return {k: (a.get(k, _ABSENT), b.get(k, _ABSENT)) for k in sorted(set(a) | set(b))
             if a.get(k, _ABSENT) != b.get(k, _ABSENT)}
 

@@ -47,6 +47,10 @@ TASKS = ("lm", "mqar")
 Evaluator = Callable[..., dict[str, Any]]
 
 
+# The periodic evaluation's metrics per task (what train.early_stop.metric may watch).
+METRIC_NAMES = {"lm": ("val_loss", "val_ppl"), "mqar": ("valid/accuracy", "valid/loss")}
+
+
 def task_name(cfg: ml_collections.ConfigDict) -> str:
     name = str(cfg.get("task", "lm"))
     if name not in TASKS:

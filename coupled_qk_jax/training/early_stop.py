@@ -1,0 +1,109 @@
+"""Stop a run at the end of learning: a plateau (patience) or a target (threshold) on a validation metric.
+
+Configured by ``train.early_stop`` (configs/lm.py), with Lightning's EarlyStopping semantics:
+
+    metric     the periodic evaluation's metric to watch ("" = off): e.g. "valid/accuracy" (MQAR) or "val_loss" (LM)
+    mode       "max" (accuracy) or "min" (loss, perplexity)
+    patience   stop after this many evaluations in a row without an improvement of more than min_delta (0 = off)
+    min_delta  the smallest change that counts as an improvement
+    threshold  stop as soon as the metric reaches this value (None = off)
+
+A seed-parallel run (``train.num_seeds`` > 1) trains its seeds as one program, so it cannot stop one seed alone: each
+seed is judged on its own trajectory and the run stops when every seed has met a rule. The decision is a function of
+the logged evaluations only, so a resumed run replays metrics.jsonl and stops at the step an uninterrupted run
+would have. The learning-rate schedule still spans ``train.steps``: a stopped run is the prefix of the full run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Iterable
+
+import ml_collections
+import numpy as np
+
+from coupled_qk_jax.errors import UserError
+
+MODES = ("max", "min")
+
+
+@dataclasses.dataclass
+class EarlyStop:
+    """Per-seed early-stopping state. ``best``/``waited``/``reason`` are [S] (S = the run's seeds)."""
+
+    metric: str
+    mode: str
+    patience: int
+    min_delta: float
+    threshold: float | None
+    best: np.ndarray
+    waited: np.ndarray
+    reason: list[str]
+    stopped_step: int | None = None
+
+    @classmethod
+    def from_config(cls, train: ml_collections.ConfigDict, num_seeds: int,
+                    metric_names: Iterable[str]) -> "EarlyStop | None":
+        """None when ``train.early_stop`` is absent or off; a UserError names a wrong setting."""
+        es = train.get("early_stop")
+        if es is None or not str(es.get("metric", "")):
+            return None
+        metric, mode = str(es.metric), str(es.get("mode", "max"))
+        patience, min_delta = int(es.get("patience", 0)), float(es.get("min_delta", 0.0))
+        threshold = es.get("threshold")
+        names = sorted(metric_names)
+        if metric not in names:
+            raise UserError(f"train.early_stop.metric={metric!r} is not a metric of this task's evaluation; "
+                            f"use one of {', '.join(names)}")
+        if mode not in MODES:
+            raise UserError(f"train.early_stop.mode must be 'max' or 'min', got {mode!r}")
+        if patience < 0 or min_delta < 0:
+            raise UserError(f"train.early_stop.patience and min_delta must be >= 0, got {patience} and {min_delta}")
+        if patience == 0 and threshold is None:
+            raise UserError(f"train.early_stop.metric={metric!r} needs a rule: set train.early_stop.patience > 0 "
+                            f"or train.early_stop.threshold")
+        if int(train.eval_every) <= 0:
+            raise UserError("train.early_stop needs periodic evaluations: set train.eval_every > 0")
+        start = -math.inf if mode == "max" else math.inf
+        return cls(metric, mode, patience, min_delta, None if threshold is None else float(threshold),
+                   np.full(num_seeds, start), np.zeros(num_seeds, np.int64), [""] * num_seeds)
+
+    @property
+    def done(self) -> bool:
+        return all(self.reason)
+
+    def update(self, step: int, values: Any) -> bool:
+        """Take one evaluation's per-seed values [S]; True once every seed has met a rule (the run stops)."""
+        values = np.asarray(values, np.float64).reshape(self.best.shape)
+        sign = 1.0 if self.mode == "max" else -1.0
+        for i, v in enumerate(values):
+            if self.reason[i]:
+                continue  # this seed is judged; the others keep training
+            if not math.isfinite(v):
+                continue  # the loop's non-finite check owns that case
+            if sign * (v - self.best[i]) > self.min_delta:
+                self.best[i], self.waited[i] = v, 0
+            else:
+                self.waited[i] += 1
+            if self.threshold is not None and sign * (v - self.threshold) >= 0:
+                self.reason[i] = f"reached {self.metric} {v:.6g} (threshold {self.threshold:g}) at step {step}"
+            elif self.patience and self.waited[i] >= self.patience:
+                self.reason[i] = (f"plateau: {self.metric} no better than {self.best[i]:.6g} by more than "
+                                  f"{self.min_delta:g} for {self.patience} evaluations, at step {step}")
+        if self.done and self.stopped_step is None:
+            self.stopped_step = step
+        return self.done
+
+    def replay(self, rows: Iterable[dict[str, Any]], up_to_step: int) -> bool:
+        """Feed the logged periodic evaluations (metrics.jsonl rows) up to ``up_to_step``; True if already done.
+        The final whole-split evaluation is not a periodic one: a row at the run's last step is skipped."""
+        for r in rows:
+            if self.metric in r and r.get("step", 0) <= up_to_step and not self.done:
+                self.update(int(r["step"]), r.get(f"{self.metric}/seeds", r[self.metric]))
+        return self.done
+
+    def summary(self) -> dict[str, Any]:
+        """summary.json's ``early_stop`` entry."""
+        return {"metric": self.metric, "stopped_step": self.stopped_step,
+                "seeds": list(self.reason) if self.done else [r or "still learning" for r in self.reason]}
