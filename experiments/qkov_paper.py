@@ -6,7 +6,7 @@ Order (each step skips what is already finished, so rerunning this command resum
    baselines);
 2. the fixed-attention study (Figure 3, both OV types);
 3. the first seed of the learning-rate ramps;
-4. the remaining seeds of those cells;
+4. the remaining seeds of those cells (and two more seeds of row 1's FAFO and FACO, for the row-1 comparisons);
 5. the CACO seq_len-128 rates the notebook lists as tried but does not plot (x2, x3, x4, x10), all seeds.
 
 After every job that ran (and once at the end) the tables are rewritten by experiments/qkov_report.py, run as a
@@ -33,7 +33,7 @@ import qkov_synthetic as synth  # noqa: E402
 CONSTANT = ["fafo_r20", "fafo_eye_r1", "fafo_r1", "faco_r1", "caco128_r5", "caco128_r1", "caco_r1", "cafo_r1"]
 RAMPS = ["fafo_incr40", "caco128_incr10"]
 REST = ["fafo_r20", "fafo_eye_r1", "caco128_r5", "caco128_r1", "caco_r1", "fafo_incr40", "caco128_incr10",
-        "cafo_r1"]
+        "cafo_r1", "fafo_r1", "faco_r1"]
 EXTRA = ["caco128_r2", "caco128_r3", "caco128_r4", "caco128_r10"]  # the notebook's other tried rates, not plotted
 
 
