@@ -17,7 +17,11 @@ MODE=${1:?usage: mqar_sweep.sh lane|table|seeds LEVEL ...}
 LEVEL=${2:?level: easy, medium or hard}
 PY=${PYTHON:-python}
 ALL=standard,coupled_euler,coupled_leapfrog,mlp_only,differential
-sweep() { nice -n 19 "$PY" -m experiments.sweep --recipe g --levels "$LEVEL" --epochs 64 "$@"; }
+# The end of learning: 64 epochs at most (zoology's), stopping earlier at a plateau, i.e. 8 evaluations (16 epochs)
+# in a row without a gain of more than 0.002 in test accuracy, or at perfect test accuracy (train.early_stop).
+STOP=(--set train.early_stop.metric=valid/accuracy --set train.early_stop.patience=8
+      --set train.early_stop.min_delta=0.002 --set train.early_stop.threshold=1.0)
+sweep() { nice -n 19 "$PY" -m experiments.sweep --recipe g --levels "$LEVEL" --epochs 64 "${STOP[@]}" "$@"; }
 case "$MODE" in
   lane)
     for lr in 3e-3 1e-2 1e-3; do

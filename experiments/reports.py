@@ -159,6 +159,7 @@ def _diag_means(r: dict[str, Any]) -> dict[str, float]:
 
 
 JUMP_LEVEL = 0.5  # MQAR: accuracy that marks the recall transition (the plateau before it: ~0.25 at easy)
+SOLVED_LEVEL = 0.99  # MQAR: accuracy counted as solving the level
 
 
 def mqar_rows(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
@@ -169,6 +170,7 @@ def mqar_rows(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
         m, s = mean_std(r["accuracy"][-1])
         best = [max(a[i] for a in r["accuracy"]) for i in range(len(r["seeds"]))]
         jumps = [jump_epoch(r["epochs"], [a[i] for a in r["accuracy"]]) for i in range(len(r["seeds"]))]
+        solved = [jump_epoch(r["epochs"], [a[i] for a in r["accuracy"]], SOLVED_LEVEL) for i in range(len(r["seeds"]))]
         # plateau check: the change of seed-mean accuracy over the last quarter of the evaluated epochs
         k = next(j for j, ep in enumerate(r["epochs"]) if ep >= 0.75 * r["epochs"][-1])
         bm, bs = mean_std(best)
@@ -177,6 +179,7 @@ def mqar_rows(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
                      "accuracy_seeds": " ".join(f"{a:.3f}" for a in r["accuracy"][-1]),
                      "best_accuracy_mean": bm, "best_accuracy_std": bs,
                      "jump_epoch_seeds": " ".join("-" if j is None else str(j) for j in jumps),
+                     "solved_epoch_seeds": " ".join("-" if j is None else str(j) for j in solved),
                      "last_quarter_change": m - float(np.mean(r["accuracy"][k])),
                      "valid_loss_mean": mean_std(r["valid_loss"][-1])[0], "train_seconds": r["train_seconds"],
                      **_diag_means(r)})
@@ -205,6 +208,7 @@ MQAR_COLUMNS = [("level", "level"), ("variant", "variant"), ("epochs", "epochs")
                 ("params", "params"), ("accuracy_mean", "accuracy (mean)"), ("accuracy_std", "± std"),
                 ("accuracy_seeds", "per seed"), ("best_accuracy_mean", "best-epoch acc (mean)"),
                 ("jump_epoch_seeds", "epoch reaching 0.5 (per seed)"),
+                ("solved_epoch_seeds", "epoch reaching 0.99 (per seed)"),
                 ("last_quarter_change", "Δ acc over last quarter"),
                 ("valid_loss_mean", "valid loss"), ("train_seconds", "wall s (all seeds)")]
 
@@ -329,7 +333,9 @@ def report(results: dict[str, dict[str, Any]], out: Path, command: str, target_p
     if mqr:
         md += ["## MQAR", "", "Accuracy = zoology's valid/accuracy (mean over test examples of the per-example "
                "fraction of correctly recalled values) at the last epoch; mean ± sample std over seeds. 'epoch "
-               f"reaching {JUMP_LEVEL:g}': the first evaluated epoch at or above it (the recall jump; '-' = never); "
+               f"reaching {JUMP_LEVEL:g}': the first evaluated epoch at or above it (the recall jump; '-' = never), and "
+               f"likewise for {SOLVED_LEVEL:g} (solved); 'epochs': the last evaluated epoch (a run stopped by "
+               "train.early_stop ends before the cap); "
                "'Δ acc over last quarter': last minus the evaluation at 75% of the epochs (near 0 = plateau).", "",
                markdown_table(mqr, MQAR_COLUMNS), ""]
         if any(not math.isnan(r["diag_effective_rank"]) for r in mqr):
