@@ -189,3 +189,19 @@ def test_recipe_g_mqar_configs_and_grid(tmp_path):
         assert cfg.train.lr == r.config["train.lr"] and cfg.train.num_seeds == 3
     with pytest.raises(ValueError, match="unknown config field"):
         sweep.make_config(sweep.Run("x", "standard", config={"train.lrr": 1.0}), str(tmp_path))
+
+
+def test_a_cell_resumes_under_another_stopping_rule_but_not_another_setting(tmp_path):
+    """cell.json written before train.early_stop existed (no such block, no --set for it) still names the same
+    training as today's spec with a stopping rule; a different lr does not."""
+    stop = {"train.early_stop.metric": "valid/accuracy", "train.early_stop.patience": 8}
+    old_run = sweep.Run("easy/standard", "standard", task="mqar", epochs=2, seeds=1, config={"train.lr": 3e-3})
+    new_run = sweep.Run("easy/standard", "standard", task="mqar", epochs=2, seeds=1,
+                        config={"train.lr": 3e-3, **stop})
+    old = sweep.cell_spec(old_run, sweep.make_config(old_run, str(tmp_path)))
+    del old["config"]["train"]["early_stop"]
+    new = sweep.cell_spec(new_run, sweep.make_config(new_run, str(tmp_path)))
+    assert new["config"]["train"]["early_stop"]["patience"] == 8 and old != new
+    assert sweep._same_training(old, new)
+    other = sweep.Run("easy/standard", "standard", task="mqar", epochs=2, seeds=1, config={"train.lr": 1e-2, **stop})
+    assert not sweep._same_training(old, sweep.cell_spec(other, sweep.make_config(other, str(tmp_path))))
