@@ -21,20 +21,29 @@ ALL=standard,coupled_euler,coupled_leapfrog,mlp_only,differential
 # in a row without a gain of more than 0.002 in test accuracy, or at perfect test accuracy (train.early_stop).
 STOP=(--set train.early_stop.metric=valid/accuracy --set train.early_stop.patience=8
       --set train.early_stop.min_delta=0.002 --set train.early_stop.threshold=1.0)
+# WIDTH=32 bash experiments/mqar_sweep.sh ...: a narrower model (d_model 32, 2 heads of 16, coupling hidden 12) in
+# its own directories (TAG = LEVEL_w32); the default is the level's width, 64.
+WIDTH=${WIDTH:-64}
+TAG=$LEVEL
+if [ "$WIDTH" != 64 ]; then
+  HIDDEN=$((3 * WIDTH / 8))
+  STOP+=(--set model.d_model="$WIDTH" --set model.coupling_hidden=$HIDDEN --set model.affine_hidden=$HIDDEN)
+  TAG=${LEVEL}_w$WIDTH
+fi
 sweep() { nice -n 19 "$PY" -m experiments.sweep --recipe g --levels "$LEVEL" --epochs 64 "${STOP[@]}" "$@"; }
 case "$MODE" in
   lane)
     for lr in 3e-3 1e-2 1e-3; do
       for v in ${3//,/ }; do
-        sweep --variants "$v" --seeds 1 --grid train.lr=$lr --out "runs/mqar/tables/${LEVEL}_${v}_lr$lr" \
-          --runs-dir "runs/mqar/${LEVEL}_s1"
+        sweep --variants "$v" --seeds 1 --grid train.lr=$lr --out "runs/mqar/tables/${TAG}_${v}_lr$lr" \
+          --runs-dir "runs/mqar/${TAG}_s1"
       done
     done ;;
   table)
-    sweep --variants "$ALL" --seeds 1 --grid "train.lr=${3:?lr}" --out "docs/results/mqar/${LEVEL}_lr$3" \
-      --runs-dir "runs/mqar/${LEVEL}_s1" ;;
+    sweep --variants "$ALL" --seeds 1 --grid "train.lr=${3:?lr}" --out "docs/results/mqar/${TAG}_lr$3" \
+      --runs-dir "runs/mqar/${TAG}_s1" ;;
   seeds)
-    sweep --variants "$ALL" --seeds 3 --grid "train.lr=${3:?lr}" --out "docs/results/mqar/${LEVEL}_lr${3}_s3" \
-      --runs-dir "runs/mqar/${LEVEL}_s3" ;;
+    sweep --variants "$ALL" --seeds 3 --grid "train.lr=${3:?lr}" --out "docs/results/mqar/${TAG}_lr${3}_s3" \
+      --runs-dir "runs/mqar/${TAG}_s3" ;;
   *) echo "error: mode must be lane, table or seeds, got '$MODE'" >&2; exit 2 ;;
 esac
