@@ -2,6 +2,7 @@
 # MQAR to the end of learning (issue 15, item 2): zoology's protocol on a shared CPU, resumable.
 #
 #   bash experiments/mqar_sweep.sh lane LEVEL VARIANT[,VARIANT...]  # lr sweep: 1 seed per (variant, lr), 64 epochs
+#   bash experiments/mqar_sweep.sh cell LEVEL VARIANT LR            # one cell of a lane
 #   bash experiments/mqar_sweep.sh table LEVEL LR                   # every variant at one lr: docs/results/mqar/
 #   bash experiments/mqar_sweep.sh seeds LEVEL LR                   # 3 seeds of every variant at the chosen lr
 #
@@ -39,11 +40,15 @@ case "$MODE" in
           --runs-dir "runs/mqar/${TAG}_s1"
       done
     done ;;
+  cell)  # one (variant, lr) cell of the lane: bash experiments/mqar_sweep.sh cell LEVEL VARIANT LR
+    v=${3:?variant}; lr=${4:?lr}
+    sweep --variants "$v" --seeds 1 --grid train.lr=$lr --out "runs/mqar/tables/${TAG}_${v}_lr$lr" \
+      --runs-dir "runs/mqar/${TAG}_s1" ;;
   table)
     sweep --variants "$ALL" --seeds 1 --grid "train.lr=${3:?lr}" --out "docs/results/mqar/${TAG}_lr$3" \
       --runs-dir "runs/mqar/${TAG}_s1" ;;
   seeds)
     sweep --variants "$ALL" --seeds 3 --grid "train.lr=${3:?lr}" --out "docs/results/mqar/${TAG}_lr${3}_s3" \
       --runs-dir "runs/mqar/${TAG}_s3" ;;
-  *) echo "error: mode must be lane, table or seeds, got '$MODE'" >&2; exit 2 ;;
+  *) echo "error: mode must be lane, table or seeds, got '$MODE' (lane, cell, table or seeds)" >&2; exit 2 ;;
 esac
