@@ -3,7 +3,7 @@
 #
 #   bash experiments/mqar_sweep.sh lane LEVEL VARIANT[,VARIANT...]  # lr sweep: 1 seed per (variant, lr), 64 epochs
 #   bash experiments/mqar_sweep.sh cell LEVEL VARIANT LR            # one cell of a lane
-#   bash experiments/mqar_sweep.sh table LEVEL LR                   # every variant at one lr: docs/results/mqar/
+#   bash experiments/mqar_sweep.sh table LEVEL LR [VARIANTS]        # every variant (or those) at one lr: docs/results/mqar/
 #   bash experiments/mqar_sweep.sh seeds LEVEL LR                   # 3 seeds of every variant at the chosen lr
 #
 # Every cell is an ordinary sweep cell (experiments/sweep.py): rerunning the same command skips finished cells and
@@ -45,7 +45,7 @@ case "$MODE" in
     sweep --variants "$v" --seeds 1 --grid train.lr=$lr --out "runs/mqar/tables/${TAG}_${v}_lr$lr" \
       --runs-dir "runs/mqar/${TAG}_s1" ;;
   table)
-    sweep --variants "$ALL" --seeds 1 --grid "train.lr=${3:?lr}" --out "docs/results/mqar/${TAG}_lr$3" \
+    sweep --variants "${4:-$ALL}" --seeds 1 --grid "train.lr=${3:?lr}" --out "docs/results/mqar/${TAG}_lr$3" \
       --runs-dir "runs/mqar/${TAG}_s1" ;;
   seeds)
     sweep --variants "$ALL" --seeds 3 --grid "train.lr=${3:?lr}" --out "docs/results/mqar/${TAG}_lr${3}_s3" \
