@@ -50,5 +50,5 @@ case "$MODE" in
   seeds)
     sweep --variants "$ALL" --seeds 3 --grid "train.lr=${3:?lr}" --out "docs/results/mqar/${TAG}_lr${3}_s3" \
       --runs-dir "runs/mqar/${TAG}_s3" ;;
-  *) echo "error: mode must be lane, table or seeds, got '$MODE' (lane, cell, table or seeds)" >&2; exit 2 ;;
+  *) echo "error: mode must be lane, cell, table or seeds, got '$MODE'" >&2; exit 2 ;;
 esac
