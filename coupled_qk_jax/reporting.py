@@ -5,12 +5,29 @@ from __future__ import annotations
 
 import csv
 import math
+import os
+import subprocess
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+
+def code_commit() -> str:
+    """The checkout's git commit, with ``+dirty`` when the code (``coupled_qk_jax``, ``configs``, ``experiments``)
+    differs from it; "unknown" outside a git checkout. Recorded with results (result files written into the tree
+    while experiments run do not count as changes)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "coupled_qk_jax", "configs", "experiments"],
+                               cwd=root, capture_output=True).returncode != 0
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("+dirty" if dirty else "")
 
 
 def mean_std(values: Sequence[float]) -> tuple[float, float]:

@@ -26,7 +26,6 @@ import dataclasses
 import json
 import os
 import resource
-import subprocess
 import sys
 import time
 
@@ -40,6 +39,7 @@ from configs.qkov import get_config, to_train_config  # noqa: E402
 from coupled_qk_jax.qkov import metrics as qm  # noqa: E402
 from coupled_qk_jax.qkov import model as qmodel  # noqa: E402
 from coupled_qk_jax.qkov import train as qtrain  # noqa: E402
+from coupled_qk_jax.reporting import code_commit  # noqa: E402
 
 # name -> (config arg, overrides of the config's fields)
 # The notebooks ran row 1's FAFO and FACO with one seed; we add two (as CACO's 3), so that the row-1 comparisons
@@ -62,20 +62,6 @@ CELLS = {
     "caco128_incr10": ("caco,increasing", {}),
 }
 N_ERASURE = 256  # samples per seed for comprehensiveness / sufficiency
-
-
-def code_commit() -> str:
-    """The checkout's commit (``+dirty`` if the code differs from it), recorded in every result file. Result files
-    written into the tree while the queue runs do not count as changes."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
-                              check=True).stdout.strip()
-        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "coupled_qk_jax", "configs", "experiments"],
-                               cwd=root).returncode != 0
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return head + ("+dirty" if dirty else "")
 
 
 def cpu_seconds() -> float:

@@ -342,6 +342,9 @@ def report(results: dict[str, dict[str, Any]], out: Path, command: str, target_p
             md += [f"Attention diagnostics after training (first {DIAG_WINDOWS} test examples, averaged over seeds; "
                    "induction mass = attention on the value following the earlier occurrence of the query key):", "",
                    markdown_table(mqr, DIAG_COLUMNS), ""]
+    md += ["Code (git commits of each run's starts and resumes, from its history.jsonl): "
+           + "; ".join(f"{n}: {', '.join(r.get('commits') or ['not recorded'])}" for n, r in results.items()) + ".",
+           ""]
     md += [f"![{p.stem}]({p.name})" for p in plots]
     (out / "results.md").write_text(scrub("\n".join(md) + "\n"))
     (out / "command.txt").write_text(scrub(command) + "\n")

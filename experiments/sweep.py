@@ -357,6 +357,10 @@ def load_cell(run: Run, workdir: Path) -> dict[str, Any]:
         "log_steps": [r["step"] for r in train_rows], "train_loss": [_per_seed(r, "train_loss") for r in train_rows],
         "log_wall": [float(r["train_seconds"]) for r in train_rows],
         "diagnostics": json.loads((workdir / "diagnostics.json").read_text()),
+        # the code of each start and resume (history.jsonl; runs started before commits were recorded lack it)
+        "commits": sorted({json.loads(line).get("commit", "not recorded")[:12]
+                           for line in (workdir / rundir.HISTORY).read_text().splitlines()
+                           if json.loads(line).get("event") in ("start", "resume")}),
     }
     if run.task == "lm":
         evals = [r for r in rows if "val_loss" in r]

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 
 import ml_collections
 import numpy as np
@@ -87,6 +89,11 @@ def test_loop_stops_on_plateau_resumes_to_the_same_step_and_trains_no_further(tm
     straight = loop.train(config(), str(tmp_path / "straight"), progress=False)
     assert straight["status"] == "completed" and straight["step"] == 8 and straight["checkpoint_step"] == 8
     assert straight["early_stop"]["stopped_step"] == 8 and "plateau" in straight["early_stop"]["seeds"][0]
+    # history.jsonl names the code of the start: this checkout's commit, as git itself gives it
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=os.path.dirname(os.path.dirname(__file__)),
+                          capture_output=True, text=True).stdout.strip()
+    start = json.loads((tmp_path / "straight" / rundir.HISTORY).read_text().splitlines()[0])
+    assert start["event"] == "start" and head and start["commit"].startswith(head)
     evals = [r["step"] for r in read_metrics(str(tmp_path / "straight")) if "val_loss" in r]
     assert evals == [4, 8, 8]  # two periodic evaluations, then the final whole-split one at the stop
 

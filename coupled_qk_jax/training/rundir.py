@@ -39,6 +39,7 @@ import numpy as np
 from coupled_qk_jax.data.corpora import SPLITS, CorpusSpec
 from coupled_qk_jax.data.tokenizer import BPETokenizer, ByteTokenizer, Tokenizer
 from coupled_qk_jax.errors import UserError, did_you_mean
+from coupled_qk_jax.reporting import code_commit
 
 CONFIG, DATA, TOKENIZER, HISTORY, LOCK, HELD_OUT = (
     "config.json", "data.json", "tokenizer.json", "history.jsonl", "lock", "heldout")
@@ -95,9 +96,10 @@ def read_json(path: str | os.PathLike[str]) -> Any | None:
 
 
 def record_history(workdir: str, event: str, **fields: Any) -> None:
-    """Append one line to WORKDIR/history.jsonl (process 0 only)."""
+    """Append one line to WORKDIR/history.jsonl (process 0 only): the event, when, where, the command line and the
+    code's git commit (reporting.code_commit), so every result can name the code that made it."""
     line = {"event": event, "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "host": socket.gethostname(), "pid": os.getpid(), "argv": sys.argv, **fields}
+            "host": socket.gethostname(), "pid": os.getpid(), "argv": sys.argv, "commit": code_commit(), **fields}
     with open(os.path.join(workdir, HISTORY), "a", encoding="utf-8") as f:
         f.write(json.dumps(jsonable(line), sort_keys=True) + "\n")
 
