@@ -59,6 +59,9 @@ def test_seeds_are_judged_apart_and_the_run_stops_when_all_have():
     assert not _rule(num_seeds=2, patience=2, threshold=0.99).replay(rows, up_to_step=20)
     replay = _rule(num_seeds=2, patience=2, threshold=0.99)
     assert replay.replay(rows, up_to_step=30) and replay.stopped_step == 30
+    # A repeated step (a stopped run's final evaluation) counts once: with patience 3, seed 1 has 2 misses, not 3.
+    longer = _rule(num_seeds=2, patience=3, threshold=0.99)
+    assert not longer.replay(rows + [rows[-1]], up_to_step=30) and longer.waited.tolist() == [0, 2]
 
 
 @pytest.mark.parametrize("fields, message", [

@@ -97,10 +97,13 @@ class EarlyStop:
 
     def replay(self, rows: Iterable[dict[str, Any]], up_to_step: int) -> bool:
         """Feed the logged periodic evaluations (metrics.jsonl rows) up to ``up_to_step``; True if already done.
-        The final whole-split evaluation is not a periodic one: a row at the run's last step is skipped."""
+        A second row at the same step (the final whole-split evaluation of a run that stopped there) is skipped."""
+        seen = set()
         for r in rows:
-            if self.metric in r and r.get("step", 0) <= up_to_step and not self.done:
-                self.update(int(r["step"]), r.get(f"{self.metric}/seeds", r[self.metric]))
+            step = int(r.get("step", 0))
+            if self.metric in r and step <= up_to_step and step not in seen and not self.done:
+                seen.add(step)
+                self.update(step, r.get(f"{self.metric}/seeds", r[self.metric]))
         return self.done
 
     def summary(self) -> dict[str, Any]:
