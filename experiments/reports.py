@@ -204,7 +204,7 @@ DIAG_COLUMNS = [("run", "run"), ("diag_effective_rank", "attn eff. rank"),
                 ("diag_entropy_normalized", "attn entropy (norm.)"), ("diag_sink_mass", "sink mass"),
                 ("diag_sigma2_over_sigma1", "σ2/σ1"), ("diag_induction_mass", "induction mass"),
                 ("diag_dt_mean", "mean Δt")]
-MQAR_COLUMNS = [("level", "level"), ("variant", "variant"), ("epochs", "epochs"), ("seeds", "seeds"),
+MQAR_COLUMNS = [("level", "level"), ("run", "run"), ("variant", "variant"), ("epochs", "epochs"), ("seeds", "seeds"),
                 ("params", "params"), ("accuracy_mean", "accuracy (mean)"), ("accuracy_std", "± std"),
                 ("accuracy_seeds", "per seed"), ("best_accuracy_mean", "best-epoch acc (mean)"),
                 ("jump_epoch_seeds", "epoch reaching 0.5 (per seed)"),
