@@ -264,10 +264,19 @@ def _same_training(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return _training(a) == _training(b)
 
 
+def _stop_rule(spec: dict[str, Any]) -> dict[str, Any]:
+    """The cell's train.early_stop fields (off where the spec predates them). A finished cell is finished only under
+    its own rule: under another it is resumed (the loop re-judges its logged evaluations) and never reused."""
+    config = {**rundir.ADDED_FIELDS, **rundir.flatten(spec["config"])}
+    return {k: config[k] for k in STOP_RULE}
+
+
 def _find_reusable(spec: dict[str, Any], reuse: list[Path]) -> Path | None:
     for d in reuse:
         for path in sorted(d.glob("*/cell.json")):
-            if _same_training(json.loads(path.read_text()), spec) and cell_status(path.parent) == "done":
+            other = json.loads(path.read_text())
+            if (_same_training(other, spec) and _stop_rule(other) == _stop_rule(spec)
+                    and cell_status(path.parent) == "done"):
                 return path.parent
     return None
 
@@ -306,10 +315,13 @@ def run_cell(run: Run, cfg: ml_collections.ConfigDict, workdir: Path, *, force: 
     if workdir.exists() and force:
         shutil.rmtree(workdir)
     saved = workdir / "cell.json"
-    if saved.is_file() and not _same_training(json.loads(saved.read_text()), spec):
+    before = json.loads(saved.read_text()) if saved.is_file() else None
+    if before is not None and not _same_training(before, spec):
         raise UserError(f"{workdir} holds cell {run.name!r} trained with another configuration; use another "
                          f"--out / --runs-dir, or --force to retrain it from scratch")
     status = cell_status(workdir)
+    if status == "done" and before is not None and _stop_rule(before) != _stop_rule(spec):
+        status = "partial"  # finished under another stopping rule: the loop decides under this one
     if status == "new" and not saved.is_file():
         found = _find_reusable(spec, reuse or [])
         if found is not None:
@@ -358,9 +370,9 @@ def load_cell(run: Run, workdir: Path) -> dict[str, Any]:
         "log_wall": [float(r["train_seconds"]) for r in train_rows],
         "diagnostics": json.loads((workdir / "diagnostics.json").read_text()),
         # the code of each start and resume (history.jsonl; runs started before commits were recorded lack it)
-        "commits": sorted({json.loads(line).get("commit", "not recorded")[:12]
-                           for line in (workdir / rundir.HISTORY).read_text().splitlines()
-                           if json.loads(line).get("event") in ("start", "resume")}),
+        "commits": sorted({e.get("commit", "not recorded")[:12]
+                           for e in map(json.loads, (workdir / rundir.HISTORY).read_text().splitlines())
+                           if e.get("event") in ("start", "resume")}),
     }
     if run.task == "lm":
         evals = [r for r in rows if "val_loss" in r]

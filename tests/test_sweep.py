@@ -205,3 +205,11 @@ def test_a_cell_resumes_under_another_stopping_rule_but_not_another_setting(tmp_
     assert sweep._same_training(old, new)
     other = sweep.Run("easy/standard", "standard", task="mqar", epochs=2, seeds=1, config={"train.lr": 1e-2, **stop})
     assert not sweep._same_training(old, sweep.cell_spec(other, sweep.make_config(other, str(tmp_path))))
+
+    # A finished cell is reused only under its own stopping rule: stopped early, it is not a full-length run.
+    done = tmp_path / "reuse" / "cell"
+    done.mkdir(parents=True)
+    (done / "cell.json").write_text(json.dumps(new))
+    (done / "summary.json").write_text(json.dumps({"status": "completed"}))
+    assert sweep._find_reusable(new, [tmp_path / "reuse"]) == done
+    assert sweep._find_reusable(old, [tmp_path / "reuse"]) is None

@@ -50,15 +50,15 @@ RUNTIME_FIELDS = frozenset({"data.cache_dir", "data.num_threads", "mesh.data", "
                             "checkpoint.async_save", "train.stop_after"})
 # Where the data is, not what it is: checked through the data fingerprint instead of by value.
 FINGERPRINTED_FIELDS = frozenset({"data.corpus", "data.tokenizer_path"})
-# Meaningful to change on resume; each needs --allow_change=FIELD and is recorded in history.jsonl.
-CHANGEABLE_FIELDS = ("train.steps", "train.log_every", "train.eval_every", "train.eval_batches",
-                     "train.eval_batch_size", "checkpoint.every", "checkpoint.every_seconds", "checkpoint.keep_last",
-                     "checkpoint.keep_every", "train.early_stop.metric", "train.early_stop.mode",
-                     "train.early_stop.patience", "train.early_stop.min_delta", "train.early_stop.threshold")
 # Fields added to the configs after runs existed, with the value that means what those runs did: a run whose
 # config.json lacks one resumes (and is evaluated) under a config holding that value, as if it had been recorded.
 ADDED_FIELDS = {"train.early_stop.metric": "", "train.early_stop.mode": "max", "train.early_stop.patience": 0,
                 "train.early_stop.min_delta": 0.0, "train.early_stop.threshold": None}
+# Meaningful to change on resume; each needs --allow_change=FIELD and is recorded in history.jsonl. The stopping
+# rule (train.early_stop.*) is among them: a stopped run is a prefix of the full one.
+CHANGEABLE_FIELDS = ("train.steps", "train.log_every", "train.eval_every", "train.eval_batches",
+                     "train.eval_batch_size", "checkpoint.every", "checkpoint.every_seconds", "checkpoint.keep_last",
+                     "checkpoint.keep_every", *(k for k in ADDED_FIELDS if k.startswith("train.early_stop.")))
 _ABSENT = "<absent>"
 
 
