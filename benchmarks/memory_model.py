@@ -27,7 +27,8 @@ d_model, a = heads, ff = d_ff; "/t" = split over the tensor axis:
     coupled dynamics, reversible backward (the default): the integrator's inputs q_0, k_0 (2·b·d; leapfrog also
         keeps q_n, k_n for its drift check: 4·b·d); autodiff backward, per step and f evaluation, f's hidden
         activations (4 per hidden unit) and its in/out states (fp32-counted, verified in fp32 only); /t
-    MLP: the pre-activation, four intermediates of the tanh-GELU and its output (6·b·ff); /t
+    MLP: the pre-activation, the tanh-GELU's intermediates (four; three from jax 0.11, whose tanh derivative saves
+        1 − tanh² as one tensor, not tanh and 1 − tanh) and its output (6·b·ff; 5·b·ff from jax 0.11); /t
     weights: in bf16 the compute-dtype cast of every block weight (2 bytes per parameter, once per layer; after
         the FSDP gather, so *not* split over fsdp); in fp32 the weights are the step's own arguments
     -> 24m fp32: ~221 kB per token and layer (Korthikanti et al.'s 34·d + 5·a·s bytes, which assumes one softmax
@@ -71,6 +72,10 @@ from coupled_qk_jax import sharding as shd  # noqa: E402
 from coupled_qk_jax.config import DYNAMICS_METHOD, ModelConfig  # noqa: E402
 from coupled_qk_jax.attention import auto_chunks  # noqa: E402
 from coupled_qk_jax.model import TransformerLM, abstract_param_count  # noqa: E402
+
+# The tanh-GELU's saved intermediates: jax 0.11 changed tanh's derivative to save 1 − tanh² (one tensor) where
+# earlier versions saved tanh and 1 − tanh (tests/test_memory_model.py checks the count on the installed jax).
+GELU_SAVED = 3 if tuple(int(p) for p in jax.__version__.split(".")[:2]) >= (0, 11) else 4
 
 GIB = 2 ** 30
 MESHES = {8: [(8, 1, 1), (1, 8, 1), (2, 2, 2), (1, 4, 2)], 32: [(4, 8, 1), (2, 8, 2)], 64: [(8, 8, 1), (4, 8, 2)]}
@@ -163,7 +168,7 @@ def layer_residuals(cfg: ModelConfig, seq: int, bytes_per: int, tensor: int = 1,
             per = {"euler": (2 * d, n * (4 * ah + 3 * d)), "leapfrog": (2 * d + 4 * ah, n * (4 * ah + 3 * d)),
                    "uncoupled": (2 * d, n * (8 * ah + 4 * d))}[method]
             split["dynamics"] = b * t * sum(per)
-    split["MLP"] = 6 * b * t * ff
+    split["MLP"] = (2 + GELU_SAVED) * b * t * ff
     seqs.update({k: v / tensor for k, v in split.items()})
     layer = {"norm scales": 2 * 4 * d}
     if method is not None:

@@ -18,6 +18,9 @@ and what CPU runs use) or bfloat16 (accelerators). Under bfloat16:
     rounding the output, its cotangent or the two half-heads' outputs to bf16 put it off by up to 5×. Fused kernels
     return their operands' dtype, so under a mix the XLA and Pallas kernels get float32 operands (exact upcasts of
     the bf16 q, k, v) and cuDNN, which takes only bf16/fp16, gives way to the explicit path (attention.py).
+  - the affine coupling's nets (invertible.py): their matmuls return float32 (`preferred_element_type`), the SiLU,
+    exp(log-scale) and the half-step q·exp(s) + t run in float32 and round once, because the log-scale multiplies
+    q and k through exp; f's bf16 form there put a gradient leaf at cosine 0.96 on jax 0.12 (0.999 on jax 0.10).
   - the softmax: scores accumulate in float32 (`preferred_element_type`), exp and row sums in float32.
   - the loss: the tied head returns float32 logits (`preferred_element_type`) and the cross-entropy is float32.
 - **float16 is refused** (`model.dtype`): its 5-bit exponent needs dynamic loss scaling, which is not implemented
