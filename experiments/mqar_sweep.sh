@@ -2,9 +2,14 @@
 # MQAR to the end of learning (issue 15, item 2): zoology's protocol on a shared CPU, resumable.
 #
 #   bash experiments/mqar_sweep.sh lane LEVEL VARIANT[,VARIANT...]  # lr sweep: 1 seed per (variant, lr), 64 epochs
-#   bash experiments/mqar_sweep.sh cell LEVEL VARIANT LR            # one cell of a lane
+#   bash experiments/mqar_sweep.sh cell LEVEL VARIANT LR [FLAGS]    # one cell of a lane
 #   bash experiments/mqar_sweep.sh table LEVEL LR [VARIANTS]        # every variant (or those) at one lr: docs/results/mqar/
-#   bash experiments/mqar_sweep.sh seeds LEVEL LR                   # 3 seeds of every variant at the chosen lr
+#   bash experiments/mqar_sweep.sh seeds LEVEL LR [VARIANTS]        # 3 seeds of every variant (or those) at that lr
+#
+# FLAGS (cell only) go to experiments/sweep.py as they are, e.g. `--set data.mqar_num_train=20000`; such a cell
+# belongs in its own directories, so name them: `OUT=... RUNS=... bash experiments/mqar_sweep.sh cell ...`.
+# `seeds` with VARIANTS runs only those (a variant whose best lr differs from the others' gets its own call) and
+# writes their table to its own folder, docs/results/mqar/LEVEL_lrLR_s3_VARIANT+VARIANT.
 #
 # Every cell is an ordinary sweep cell (experiments/sweep.py): rerunning the same command skips finished cells and
 # resumes a stopped one from its last checkpoint (one per epoch). `lane` gives every (variant, lr) cell its own sweep
@@ -40,15 +45,15 @@ case "$MODE" in
           --runs-dir "runs/mqar/${TAG}_s1"
       done
     done ;;
-  cell)  # one (variant, lr) cell of the lane: bash experiments/mqar_sweep.sh cell LEVEL VARIANT LR
+  cell)  # one (variant, lr) cell of the lane: bash experiments/mqar_sweep.sh cell LEVEL VARIANT LR [FLAGS]
     v=${3:?variant}; lr=${4:?lr}
-    sweep --variants "$v" --seeds 1 --grid train.lr=$lr --out "runs/mqar/tables/${TAG}_${v}_lr$lr" \
-      --runs-dir "runs/mqar/${TAG}_s1" ;;
+    sweep --variants "$v" --seeds 1 --grid train.lr=$lr --out "${OUT:-runs/mqar/tables/${TAG}_${v}_lr$lr}" \
+      --runs-dir "${RUNS:-runs/mqar/${TAG}_s1}" "${@:5}" ;;
   table)
     sweep --variants "${4:-$ALL}" --seeds 1 --grid "train.lr=${3:?lr}" --out "docs/results/mqar/${TAG}_lr$3" \
       --runs-dir "runs/mqar/${TAG}_s1" ;;
   seeds)
-    sweep --variants "$ALL" --seeds 3 --grid "train.lr=${3:?lr}" --out "docs/results/mqar/${TAG}_lr${3}_s3" \
+    sweep --variants "${4:-$ALL}" --seeds 3 --grid "train.lr=${3:?lr}" --out "docs/results/mqar/${TAG}_lr${3}_s3${4:+_${4//,/+}}" \
       --runs-dir "runs/mqar/${TAG}_s3" ;;
   *) echo "error: mode must be lane, cell, table or seeds, got '$MODE'" >&2; exit 2 ;;
 esac
