@@ -147,10 +147,10 @@ def _loss(model, tokens):
     return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], -1))
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_every_variant_compiles_with_finite_loss_and_grads(dtype):
+def test_every_variant_compiles_with_finite_loss_and_grads():
+    """float32 only: tests/test_precision.py compares every variant's bf16 gradient, leaf by leaf, with this one."""
     for variant in ALL_VARIANTS:
-        model = make(variant, dtype=dtype, remat="full" if variant == "coupled_euler" else "none")
+        model = make(variant, remat="full" if variant == "coupled_euler" else "none")
         loss, grads = nnx.jit(nnx.value_and_grad(_loss))(model, TOKENS)
         assert np.isfinite(float(loss)), variant
         leaves = jax.tree.leaves(grads)
