@@ -148,7 +148,7 @@ def tokens_to_target(r: dict[str, Any], seed_index: int, log_target: float) -> f
 
 
 DIAG_KEYS = ("effective_rank", "entropy_normalized", "sink_mass", "sigma2_over_sigma1", "induction_mass",
-             "dt_mean")
+             "dt_mean", "dt_abs_mean")
 
 
 def _diag_means(r: dict[str, Any]) -> dict[str, float]:
@@ -203,7 +203,7 @@ LM_COLUMNS = [("run", "run"), ("variant", "variant"), ("steps", "steps"), ("seed
 DIAG_COLUMNS = [("run", "run"), ("diag_effective_rank", "attn eff. rank"),
                 ("diag_entropy_normalized", "attn entropy (norm.)"), ("diag_sink_mass", "sink mass"),
                 ("diag_sigma2_over_sigma1", "σ2/σ1"), ("diag_induction_mass", "induction mass"),
-                ("diag_dt_mean", "mean Δt")]
+                ("diag_dt_mean", "mean Δt"), ("diag_dt_abs_mean", "mean abs(Δt)")]  # signs cancel in the mean
 MQAR_COLUMNS = [("level", "level"), ("run", "run"), ("variant", "variant"), ("epochs", "epochs"), ("seeds", "seeds"),
                 ("params", "params"), ("accuracy_mean", "accuracy (mean)"), ("accuracy_std", "± std"),
                 ("accuracy_seeds", "per seed"), ("best_accuracy_mean", "best-epoch acc (mean)"),

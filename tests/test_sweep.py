@@ -103,6 +103,13 @@ def test_stopped_sweep_resumes_and_matches_uninterrupted(spec, monkeypatch, caps
         assert len(diag) == 2
         assert float(r["diag_effective_rank"]) == pytest.approx(np.mean([d["model_mean"]["effective_rank"]
                                                                          for d in diag]))
+        # mean |Δt| from the per-layer Δt lists (signs would cancel in the signed mean); standard has none
+        abs_dt = [np.mean([abs(x) for lay in d["layers"] if lay["dt"] for x in lay["dt"]]) for d in diag] \
+            if r["variant"] == "coupled_euler" else None
+        if abs_dt is None:
+            assert math.isnan(float(r["diag_dt_abs_mean"]))
+        else:
+            assert float(r["diag_dt_abs_mean"]) == pytest.approx(np.mean(abs_dt))
     md = (stopped / "results.md").read_text()
     assert "| run |" in md and "python -m experiments.sweep --spec" in md
     with open(stopped / "curves.csv") as f:
