@@ -6,7 +6,7 @@
 #   bash experiments/mqar_sweep.sh table LEVEL LR [VARIANTS]        # every variant (or those) at one lr: docs/results/mqar/
 #   bash experiments/mqar_sweep.sh seeds LEVEL LR [VARIANTS]        # 3 seeds of every variant (or those) at that lr
 #
-# FLAGS (cell only) go to experiments/sweep.py as they are, e.g. `--set data.mqar_num_train=20000`; such a cell
+# FLAGS (cell only) go to experiments/sweep.py as they are, e.g. `--mqar-num-train 20000`; such a cell
 # belongs in its own directories, so name them: `OUT=... RUNS=... bash experiments/mqar_sweep.sh cell ...`.
 # `seeds` with VARIANTS runs only those (a variant whose best lr differs from the others' gets its own call) and
 # writes their table to its own folder, docs/results/mqar/LEVEL_lrLR_s3_VARIANT+VARIANT.

@@ -57,12 +57,17 @@ def test_report_keys_and_files(tmp_path, variant):
 
 def test_uniform_attention_sanity():
     """W_Q = W_K = 0 makes every score 0, so attention is uniform over the causal window in every head: the report
-    must give the closed-form entropies and numpy's values for rank, gap and sink mass."""
+    must give the closed-form entropies and numpy's values for rank, gap and sink mass. With q = k = 0 the Δt of
+    each head changes nothing, so mixed-sign Δt also checks the signed and absolute Δt means by hand."""
     model = _model("coupled_euler")
-    for block in model.blocks:
+    dts = [[0.3, -0.2, 0.1, -0.4], [0.5, -0.5, 0.2, 0.0]]
+    for block, dt in zip(model.blocks, dts):
         block.attn.wq[...] = jnp.zeros_like(block.attn.wq[...])
         block.attn.wk[...] = jnp.zeros_like(block.attn.wk[...])
+        block.attn.dt[...] = jnp.asarray(dt, jnp.float32)
     rep = diagnostics_report(model, _tokens())
+    assert rep["model_mean"]["dt_mean"] == pytest.approx(0.0, abs=1e-7)  # the signs cancel ...
+    assert rep["model_mean"]["dt_abs_mean"] == pytest.approx(2.2 / 8)  # ... the magnitudes do not
     A = np.tril(np.ones((T, T))) / np.arange(1, T + 1)[:, None]
     s = np.linalg.svd(A, compute_uv=False)
     p = s / s.sum()
