@@ -26,6 +26,7 @@ import os
 import re
 import shutil
 import sys
+import time
 from typing import Any, Callable
 
 import jax
@@ -207,7 +208,7 @@ class Checkpointer:
 
     def _failed(self, step: int, e: BaseException) -> None:
         self._pending = None
-        self.remove_temporaries()
+        self._remove_temporaries_once_quiet()
         good = [s for s in self._completed_steps() if s != step]
         raise CheckpointSaveError(
             f"saving checkpoint step {step} to {self.directory} failed: {_save_cause(e)}; the run stopped, the "
@@ -218,6 +219,30 @@ class Checkpointer:
             return [int(d) for d in os.listdir(self.directory) if d.isdigit()]
         except OSError:
             return []
+
+    def _remove_temporaries_once_quiet(self, quiet_s: float = 0.5, limit_s: float = 10.0) -> None:
+        """Remove a failed save's temporary directories and keep them removed. Orbax writes each array fragment
+        in its own asyncio task and the first error (ENOSPC) does not cancel the others, so for a moment after the
+        save raised they can still create files there, after an rmtree. So: wait for the manager, then remove
+        until the directory has stayed clean for ``quiet_s`` (at most ``limit_s``; only on this failure path)."""
+        try:
+            self.manager.wait_until_finished()
+        except Exception:  # noqa: BLE001 - the save's own error, which the caller is reporting
+            pass
+        deadline, clean_since = time.monotonic() + limit_s, None
+        while time.monotonic() < deadline:
+            self.remove_temporaries()
+            try:
+                names = os.listdir(self.directory)
+            except OSError:
+                return
+            if any(_TMP_MARK in name for name in names):
+                clean_since = None
+            elif clean_since is None:
+                clean_since = time.monotonic()
+            elif time.monotonic() - clean_since >= quiet_s:
+                return
+            time.sleep(0.05)
 
     def remove_temporaries(self) -> None:
         """Remove the temporary directories of unfinished saves (never a completed step)."""
