@@ -1,0 +1,70 @@
+"""Paired comparison of two sweep cells that live in different tables (results.csv of two sweeps).
+
+    python -m experiments.paired docs/results/paper1/a_10m/results.csv:coupled_euler \
+        docs/results/paper1/c_10m/results.csv:coupled_euler_n7
+
+A sweep's own table pairs every cell with standard attention in the same sweep. Cells of *different* sweeps (e.g.
+recipe c's n = 7 against recipe a's n = 1) are paired here: seed s of one cell against seed s of the other (same
+initial weights and data order when both start at seed 0, as every recipe does), on the final validation
+perplexity of each seed (`val_ppl_seeds`). Prints one Markdown table: both cells' per-seed perplexities, the
+per-seed change of B against A in percent, its mean ± sample std and the 95% paired-t interval
+(`reports.t_interval`). Trains nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+from pathlib import Path
+
+from coupled_qk_jax.errors import UserError
+from coupled_qk_jax.reporting import mean_std
+from coupled_qk_jax.training import cli
+from experiments import reports
+
+
+def seed_ppl(ref: str) -> list[float]:
+    """Per-seed final validation perplexities of the cell ``RESULTS_CSV:RUN``."""
+    path, sep, run = ref.rpartition(":")
+    if not sep or not path or not run:
+        raise UserError(f"expected RESULTS_CSV:RUN (e.g. docs/results/paper1/a_10m/results.csv:coupled_euler), "
+                        f"got {ref!r}")
+    if not Path(path).is_file():
+        raise UserError(f"{path}: no such results.csv; give the table a sweep wrote (its --out)/results.csv")
+    with open(path, newline="") as f:
+        rows = {row["run"]: row for row in csv.DictReader(f)}
+    if run not in rows:
+        raise UserError(f"{path} has no run {run!r}; its runs: {', '.join(rows)}")
+    if "val_ppl_seeds" not in rows[run]:
+        raise UserError(f"{path}: run {run!r} has no per-seed perplexities (an MQAR table?); pair LM cells only")
+    return [float(x) for x in rows[run]["val_ppl_seeds"].split()]
+
+
+def paired_table(a_ref: str, b_ref: str) -> str:
+    """Markdown: per-seed perplexities of A and B, B's change against A per seed (%), mean ± std, 95% t interval."""
+    a, b = seed_ppl(a_ref), seed_ppl(b_ref)
+    if len(a) != len(b):
+        raise UserError(f"{a_ref} has {len(a)} seeds and {b_ref} has {len(b)}; pairing needs the same seeds")
+    rel = [100.0 * (y / x - 1.0) for x, y in zip(a, b)]
+    mean, std = mean_std(rel)
+    lo, hi = reports.t_interval(rel)
+    lines = [f"A = `{a_ref}`, B = `{b_ref}`", "",
+             "| seed | A val ppl | B val ppl | B vs A % |", "| --- | --- | --- | --- |"]
+    lines += [f"| {s} | {x:.3f} | {y:.3f} | {r:+.2f} |" for s, (x, y, r) in enumerate(zip(a, b, rel))]
+    lines += ["", f"paired change of B against A: mean {mean:+.2f}%, sample std {std:.2f}%, "
+                  f"95% paired-t interval [{lo:+.2f}, {hi:+.2f}] ({len(rel)} seeds)"]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("a", help="the reference cell, RESULTS_CSV:RUN")
+    p.add_argument("b", help="the compared cell, RESULTS_CSV:RUN")
+    args = p.parse_args(argv)
+    code = cli.run_guarded(lambda: print(paired_table(args.a, args.b)))
+    if code:
+        raise SystemExit(code)
+
+
+if __name__ == "__main__":
+    main()

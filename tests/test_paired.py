@@ -1,0 +1,42 @@
+"""experiments.paired: cells of two sweeps' results.csv paired by seed, against a hand computation."""
+
+from __future__ import annotations
+
+import csv
+
+import pytest
+
+from coupled_qk_jax.errors import UserError
+from experiments import paired
+
+T_975_DF2 = 4.302652729911275  # Student t, 97.5% quantile, 2 degrees of freedom (printed tables: 4.303)
+
+
+def _table(path, rows):
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=["run", "variant", "val_ppl_seeds"])
+        w.writeheader()
+        w.writerows(rows)
+    return str(path)
+
+
+def test_pairs_seed_by_seed_with_a_t_interval(tmp_path):
+    a = _table(tmp_path / "a.csv", [{"run": "n1", "variant": "coupled_euler", "val_ppl_seeds": "100.0 50.0 20.0"}])
+    b = _table(tmp_path / "b.csv", [{"run": "n7", "variant": "coupled_euler", "val_ppl_seeds": "101.0 51.5 21.0"}])
+    text = paired.paired_table(f"{a}:n1", f"{b}:n7")
+    # per seed +1%, +3%, +5%: mean 3, sample std 2, half width t * 2 / sqrt(3)
+    half = T_975_DF2 * 2.0 / 3 ** 0.5
+    assert "| 0 | 100.000 | 101.000 | +1.00 |" in text and "| 2 | 20.000 | 21.000 | +5.00 |" in text
+    assert f"mean +3.00%, sample std 2.00%, 95% paired-t interval [{3 - half:+.2f}, {3 + half:+.2f}]" in text
+
+
+def test_refuses_what_cannot_be_paired(tmp_path, capsys):
+    a = _table(tmp_path / "a.csv", [{"run": "x", "variant": "standard", "val_ppl_seeds": "10.0 11.0"}])
+    b = _table(tmp_path / "b.csv", [{"run": "y", "variant": "standard", "val_ppl_seeds": "10.0 11.0 12.0"}])
+    with pytest.raises(UserError, match="2 seeds .* 3"):
+        paired.paired_table(f"{a}:x", f"{b}:y")
+    with pytest.raises(UserError, match="no run 'z'; its runs: x"):
+        paired.paired_table(f"{a}:z", f"{b}:y")
+    with pytest.raises(SystemExit) as e:
+        paired.main([f"{a}", f"{b}:y"])  # no ':RUN'
+    assert e.value.code == 2 and capsys.readouterr().err.startswith("error: expected RESULTS_CSV:RUN")
