@@ -1,11 +1,15 @@
-"""Evaluate a run's newest intact checkpoint on a whole held-out split:
-`python eval.py --workdir=DIR [--split=validation|test] [--out=OUT] [--diagnostics]`.
+"""Evaluate a run's checkpoint on a whole held-out split:
+`python eval.py --workdir=DIR [--split=validation|test] [--step=N] [--replica=K|all] [--mesh=data:D,fsdp:F,tensor:T]
+[--out=OUT] [--diagnostics]`.
 
 Needs nothing but the run directory: the config (DIR/config.json), the tokenizer and the held-out token ids are the
-run's own, so a run directory moved or copied elsewhere evaluates as it is. `--config` is only a confirmation: one
-that disagrees with the run is refused with the differing fields. Every token of the split is scored exactly once.
-The result is printed first, then written to OUT/eval_<split>_step<step>.json (OUT defaults to DIR/eval); the
-training summary is never touched, and a read-only DIR works with --out elsewhere. See docs/training.md.
+run's own, so a run directory moved or copied elsewhere, to any machine, evaluates as it is (training/run.py): one
+device by default, or the --mesh given, whatever mesh trained it. --step picks a checkpoint (default: the newest
+intact one); --replica one seed of a seed-parallel run (default all: one row per seed plus mean ± std). `--config` is
+only a confirmation: one that disagrees with the run in what is evaluated (model, data, task) is refused with the
+differing fields; other differences are ignored with a note. Every token of the split is scored exactly once. The
+result is printed first, then written to OUT/eval_<split>_step<step>[_replica<K>].json (OUT defaults to DIR/eval);
+the training summary is never touched, and a read-only DIR works with --out elsewhere. See docs/training.md.
 """
 
 from __future__ import annotations
@@ -22,6 +26,9 @@ config_flags.DEFINE_config_file("config", None, "Optional: a config that must ag
 flags.DEFINE_string("workdir", None, "Run directory written by train.py.")
 flags.DEFINE_enum("split", "validation", ["validation", "test"], "Split to evaluate.")
 flags.DEFINE_string("out", None, "Where to write the results (default: WORKDIR/eval).")
+flags.DEFINE_integer("step", None, "Checkpoint step to evaluate (default: the newest intact one).")
+flags.DEFINE_string("replica", "all", "Which seed replica of a seed-parallel run: K (0-based) or all.")
+flags.DEFINE_string("mesh", "", "Devices to evaluate on, e.g. data:2,fsdp:1,tensor:1 (default: one device).")
 flags.DEFINE_bool("diagnostics", False, "Also write attention diagnostics of the checkpoint on the split's first "
                   "windows to OUT/diagnostics_<split>_step<step>.{json,png} (coupled_qk_jax.diagnostics_report).")
 flags.mark_flags_as_required(["workdir"])
@@ -36,30 +43,49 @@ def main(argv: list[str]) -> None:
 
 
 def _eval() -> None:
-    from coupled_qk_jax.training import loop, rundir
+    from coupled_qk_jax.training import rundir
+    from coupled_qk_jax.training.run import Run
 
     workdir = os.path.abspath(FLAGS.workdir)
     out = os.path.abspath(FLAGS.out) if FLAGS.out else os.path.join(workdir, "eval")
-    cfg = loop.saved_run_config(workdir, FLAGS.config)
-    result = loop.evaluate_run(workdir, FLAGS.split, cfg)
-    # Printed before anything is written: a failed write loses nothing.
-    if "ppl" in result:
-        print(f"step {result['step']} {FLAGS.split}: loss {result['loss']:.4f}, ppl {result['ppl']:.3f} "
-              f"over {result['tokens']} tokens", flush=True)
-    else:  # MQAR: its metrics
-        scores = ", ".join(f"{k} {v:.4f}" for k, v in result.items() if k.startswith("valid/") and "/seeds" not in k
-                           and isinstance(v, float))
-        print(f"step {result['step']}: {scores}", flush=True)
+    run = Run.open(workdir, mesh=FLAGS.mesh or None, config=FLAGS.config)
+    replica = cli.parse_replica(FLAGS.replica)
+    if replica != "all":
+        run.check_replica(replica)
+    result = run.evaluate(FLAGS.split, FLAGS.step, replica)
+    print_result(result, FLAGS.split)  # printed before anything is written: a failed write loses nothing
     path = rundir.write_eval_result(out, result)
     print(f"-> {path}", flush=True)
     if FLAGS.diagnostics:
         from coupled_qk_jax.diagnostics_report import report_from_checkpoint
 
-        report = report_from_checkpoint(cfg, workdir, FLAGS.split, out_dir=out)
-        means = report["model_mean"]
-        print(f"diagnostics: effective rank {means['effective_rank']:.3f}, normalised entropy "
-              f"{means['entropy_normalized']:.3f}, sink mass {means['sink_mass']:.3f} -> "
-              f"{report['files']['json']}, {report['files']['png']}", flush=True)
+        for r in (range(run.num_replicas) if replica == "all" else [replica]):
+            report = report_from_checkpoint(run, FLAGS.split, out_dir=out, step=result["step"], replica=r)
+            means = report["model_mean"]
+            which = f" replica {r}" if run.num_replicas > 1 else ""
+            print(f"diagnostics{which}: effective rank {means['effective_rank']:.3f}, normalised entropy "
+                  f"{means['entropy_normalized']:.3f}, sink mass {means['sink_mass']:.3f} -> "
+                  f"{report['files']['json']}, {report['files']['png']}", flush=True)
+
+
+def print_result(result: dict, split: str) -> None:
+    """One line for one model; with several replicas a row per seed, then their mean ± std (sample std)."""
+    lm = "ppl" in result
+    names = ("loss", "ppl") if lm else tuple(k for k, v in result.items() if k.startswith("valid/")
+                                             and "/seeds" not in k and "/std" not in k and isinstance(v, float))
+    which = f" replica {result['replica']} (seed {result['seeds'][0]})" if "replica" in result else ""
+    if f"{names[0]}/seeds" not in result:
+        scores = (f"loss {result['loss']:.4f}, ppl {result['ppl']:.3f} over {result['tokens']} tokens" if lm
+                  else ", ".join(f"{k} {result[k]:.4f}" for k in names))
+        print(f"step {result['step']} {split}{which}: {scores}", flush=True)
+        return
+    tokens = f" over {result['tokens']} tokens" if lm else ""
+    print(f"step {result['step']} {split}, {len(result['seeds'])} replicas{tokens}:", flush=True)
+    print("  replica  seed  " + "  ".join(f"{k:>14}" for k in names), flush=True)
+    for i, seed in enumerate(result["seeds"]):
+        print(f"  {i:>7}  {seed:>4}  " + "  ".join(f"{result[k + '/seeds'][i]:>14.4f}" for k in names), flush=True)
+    print("  mean ± std    " + "  ".join(f"{result[k]:>7.4f} ± {result[k + '/std']:.4f}" for k in names),
+          flush=True)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,9 @@
-"""Export a run's latest checkpoint to a portable folder: `python export.py --workdir=RUN --out=DIR`.
+"""Export a run's checkpoint to a portable folder: `python export.py --workdir=RUN --out=DIR [--step=N] [--replica=K]
+[--mesh=data:D,fsdp:F,tensor:T]`.
 
-Writes DIR/model.safetensors (float32 weights named by dotted paths), DIR/config.json (the run's config),
+The newest intact checkpoint (or --step), replica 0 (or --replica: one seed of a seed-parallel run), restored on one
+device (or --mesh) whatever machine trained it. Writes DIR/model.safetensors (float32 weights named by dotted paths,
+always per layer: blocks.0.attn.wq, with or without model.scan_layers), DIR/config.json (the run's config),
 DIR/tokenizer.json (BPE runs) and DIR/export.json (checksums). Load it with
 `coupled_qk_jax.export.load_exported(DIR)`. See coupled_qk_jax/export.py.
 """
@@ -11,6 +14,9 @@ from absl import app, flags, logging
 
 flags.DEFINE_string("workdir", None, "Run directory written by train.py.")
 flags.DEFINE_string("out", None, "Export folder to write (new, empty, or an earlier export, which is replaced).")
+flags.DEFINE_integer("step", None, "Checkpoint step to export (default: the newest intact one).")
+flags.DEFINE_integer("replica", 0, "Which seed replica of a seed-parallel run (train.num_seeds > 1).")
+flags.DEFINE_string("mesh", "", "Devices to restore the run onto, e.g. data:2 (default: one device).")
 flags.mark_flags_as_required(["workdir", "out"])
 FLAGS = flags.FLAGS
 
@@ -27,7 +33,7 @@ def main(argv: list[str]) -> None:
 def _export() -> None:
     from coupled_qk_jax.export import export_run
 
-    out = export_run(FLAGS.workdir, FLAGS.out)
+    out = export_run(FLAGS.workdir, FLAGS.out, step=FLAGS.step, replica=FLAGS.replica, mesh=FLAGS.mesh or None)
     print(f"exported {FLAGS.workdir} -> {out}", flush=True)
 
 

@@ -1,9 +1,12 @@
-"""Sample text from a trained run: `python sample.py --workdir=DIR [--prompt=TEXT ...] [--ids=1,2,3 ...]`.
+"""Sample text from a trained run: `python sample.py --workdir=DIR [--prompt=TEXT ...] [--ids=1,2,3 ...]`, or from
+an export folder: `python sample.py --exported=DIR ...`.
 
-The model, its config and its tokenizer all come from the run directory (the latest checkpoint). Several --prompt
-and --ids flags make one batch; prompts may differ in length. Decoding is greedy with --temperature=0, otherwise
-sampled with --temperature, --top_k and --top_p from --seed. Text prompts start a new document (they are preceded by
-<|endoftext|>); with neither flag, one empty prompt samples a document from scratch. See coupled_qk_jax/generate.py.
+The model, its config and its tokenizer all come from the run directory (the newest intact checkpoint, or --step),
+restored onto one device (or --mesh=data:D,fsdp:F,tensor:T) whatever machine trained it; --replica picks a seed of
+a seed-parallel run. Several --prompt and --ids flags make one batch; prompts may differ in length. Decoding is
+greedy with --temperature=0, otherwise sampled with --temperature, --top_k and --top_p from --seed. Text prompts
+start a new document (they are preceded by <|endoftext|>); with neither flag, one empty prompt samples a document
+from scratch. See coupled_qk_jax/generate.py.
 """
 
 from __future__ import annotations
@@ -11,6 +14,9 @@ from __future__ import annotations
 from absl import app, flags, logging
 
 flags.DEFINE_string("workdir", None, "Run directory written by train.py.")
+flags.DEFINE_string("exported", None, "An export folder (export.py) to sample from instead of a run directory.")
+flags.DEFINE_integer("step", None, "Checkpoint step of the run (default: the newest intact one).")
+flags.DEFINE_string("mesh", "", "Devices to restore the run onto, e.g. data:2 (default: one device).")
 flags.DEFINE_multi_string("prompt", [], "A text prompt (repeat the flag for a batch).")
 flags.DEFINE_multi_string("ids", [], "A prompt as comma-separated token ids, used as given (repeatable).")
 flags.DEFINE_integer("max_new_tokens", 200, "Tokens to generate per prompt.")
@@ -21,7 +27,7 @@ flags.DEFINE_integer("seed", 0, "Sampling seed: the same seed, prompts and flags
 flags.DEFINE_integer("num_samples", 1, "Samples per prompt (each prompt is repeated in the batch).")
 flags.DEFINE_integer("replica", 0, "Which seed's model of a seed-parallel run (train.num_seeds > 1).")
 flags.DEFINE_bool("stop_at_eot", True, "End a sample at its first <|endoftext|>.")
-flags.mark_flags_as_required(["workdir"])
+flags.mark_flags_as_mutual_exclusive(["workdir", "exported"], required=True)
 FLAGS = flags.FLAGS
 
 
@@ -38,11 +44,27 @@ def _sample() -> None:
     import numpy as np
 
     from coupled_qk_jax import generate
+    from coupled_qk_jax.errors import UserError
 
     if FLAGS.num_samples < 1:
         raise ValueError(f"--num_samples must be >= 1, got {FLAGS.num_samples}")
     sampling = generate.Sampling(FLAGS.temperature, FLAGS.top_k, FLAGS.top_p)
-    model, tokenizer = generate.load_run(FLAGS.workdir, FLAGS.replica)
+    if FLAGS.exported is not None:
+        from coupled_qk_jax.export import load_exported
+
+        given = [f"--{n}" for n in ("step", "mesh") if FLAGS[n].present] + (["--replica"] if FLAGS.replica else [])
+        if given:
+            raise UserError(f"{', '.join(given)}: an export folder holds one model; these pick it from a run "
+                            f"directory (--workdir)")
+
+        model, tokenizer, _ = load_exported(FLAGS.exported)
+    else:
+        from coupled_qk_jax.training.run import Run
+
+        run = Run.open(FLAGS.workdir, mesh=FLAGS.mesh or None)
+        model, tokenizer = run.model(FLAGS.step, FLAGS.replica), run.tokenizer
+        if tokenizer is None:
+            raise UserError(f"{FLAGS.workdir} is a {run.cfg.task} run: it has no tokenizer to sample text with")
     texts = list(FLAGS.prompt) if FLAGS.prompt or FLAGS.ids else [""]
     prompts = generate.encode_prompts(tokenizer, texts)
     prompts += [generate.parse_token_ids(s, tokenizer.vocab_size) for s in FLAGS.ids]

@@ -192,8 +192,10 @@ def main() -> int:
 
     from coupled_qk_jax.training import loop
 
-    _, a = loop.restore_latest(None, ref)
-    _, b = loop.restore_latest(None, run)
+    from coupled_qk_jax.training.run import Run
+
+    _, a = Run.open(ref).state()
+    _, b = Run.open(run).state()
     fa, fb = loop.host_params(a), loop.host_params(b)
     import jax
 

@@ -208,47 +208,47 @@ def diagnostics_report(model: Any, tokens: Any, out_dir: str | Path | None = Non
     return report
 
 
-def report_name(split: str, step: int) -> str:
-    """``diagnostics_<split>_step<step>``: one pair of files per split and checkpoint, so none overwrites another."""
-    return f"diagnostics_{split}_step{int(step)}"
+def report_name(split: str, step: int, replica: int | None = None) -> str:
+    """``diagnostics_<split>_step<step>[_replica<K>]``: one pair of files per split, checkpoint and replica (the
+    replica named only for seed-parallel runs), so none overwrites another."""
+    return f"diagnostics_{split}_step{int(step)}" + (f"_replica{replica}" if replica is not None else "")
 
 
-def report_from_checkpoint(cfg: Any, workdir: str, split: str = "validation", windows: int = 8,
-                           out_dir: str | Path | None = None) -> dict[str, Any]:
-    """Diagnostics of the latest checkpoint in ``workdir`` (a train.py run) on the first ``windows`` full windows
-    of ``split``; writes ``diagnostics_<split>_step<step>.{json,png}`` (:func:`report_name`) to ``out_dir``
-    (default ``workdir``). The report carries ``checkpoint_step``, ``split`` and ``files`` (the two paths).
+def report_from_checkpoint(run: Any, split: str = "validation", windows: int = 8,
+                           out_dir: str | Path | None = None, step: int | None = None,
+                           replica: int = 0) -> dict[str, Any]:
+    """Diagnostics of one replica of checkpoint ``step`` (default: the newest intact one) of ``run`` (a
+    training.run.Run, or a run directory to open) on the first ``windows`` full windows of ``split``; writes
+    :func:`report_name`'s ``.json`` and ``.png`` to ``out_dir`` (default the run directory). The report carries
+    ``checkpoint_step``, ``replica``, ``split`` and ``files`` (the two paths).
 
-    This is what ``eval.py --diagnostics`` calls. The checkpoint is restored exactly as eval.py's evaluation
-    restores it (``training.loop.restore_latest``), then gathered to the host: the diagnostics
-    are small (a few windows) and run unsharded.
+    This is what ``eval.py --diagnostics`` calls, once per replica it evaluates. The params are gathered to the
+    host: the diagnostics are small (a few windows) and run unsharded.
     """
     from flax import nnx  # noqa: PLC0415
 
     from coupled_qk_jax.data.pipeline import eval_batches  # noqa: PLC0415
-    from coupled_qk_jax.training import loop  # noqa: PLC0415
+    from coupled_qk_jax.errors import UserError  # noqa: PLC0415
+    from coupled_qk_jax.training.run import Run  # noqa: PLC0415
 
-    workdir = os.path.abspath(workdir)
-    s, state = loop.restore_latest(cfg, workdir)
-    if s.cache is None:
-        from coupled_qk_jax.errors import UserError  # noqa: PLC0415
-
-        raise UserError(f"--diagnostics reads a token split; {workdir} is a {s.task.name} run (the sweep driver "
+    run = run if isinstance(run, Run) else Run.open(run)
+    if run.data is None:
+        raise UserError(f"--diagnostics reads a token split; {run.workdir} is a {run.cfg.task} run (the sweep driver "
                         f"computes MQAR diagnostics on the test examples)")
-    params = jax.tree.map(lambda x: np.asarray(jax.device_get(x)), state["params"])
-    if len(s.seeds) > 1:  # a seed-parallel run (train.num_seeds): the first seed's model
-        params, state = loop.seed_slice(params, 0), loop.seed_slice(state, 0)
-    model = nnx.merge(s.graphdef, params)
-    seq_len = int(cfg.data.seq_len)
-    batch = next(iter(eval_batches(s.cache.tokens(split), seq_len, windows, bos_id=s.cache.eot_id)))
+    step, _ = run.state(step)
+    params = jax.tree.map(lambda x: np.asarray(jax.device_get(x)), run.params(step, replica))
+    model = nnx.merge(run.graphdef, params)
+    seq_len = int(run.cfg.data.seq_len)
+    batch = next(iter(eval_batches(run.data.tokens(split), seq_len, windows, bos_id=run.data.eot_id)))
     tokens = batch["inputs"][(batch["targets"] != -100).all(axis=1)]
     if len(tokens) == 0:
         raise ValueError(f"the {split} split has no full window of {seq_len} tokens")
-    step = int(state["step"])
-    out = Path(out_dir or workdir)
-    name = report_name(split, step)
+    out = Path(out_dir or run.workdir)
+    name = report_name(split, step, replica if run.num_replicas > 1 else None)
     files = {"json": str(out / f"{name}.json"), "png": str(out / f"{name}.png")}
+    which = f", replica {replica} (seed {run.seeds[replica]})" if run.num_replicas > 1 else ""
     return diagnostics_report(model, tokens, out_dir=out, name=name,
-                              extra={"checkpoint_step": step, "split": split, "files": files},
-                              title=f"attention diagnostics: {s.mcfg.variant}, {split} split, step {step} "
+                              extra={"checkpoint_step": step, "replica": replica, "seed": run.seeds[replica],
+                                     "split": split, "files": files},
+                              title=f"attention diagnostics: {run.mcfg.variant}{which}, {split} split, step {step} "
                                     f"({len(tokens)} windows of {seq_len} tokens)")

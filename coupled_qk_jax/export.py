@@ -9,11 +9,12 @@ The folder needs nothing but this package to load: no checkpoint, no corpus, no 
 
     DIR/model.safetensors   every parameter, float32, named by its dotted path in the model, e.g. ``embed``,
                             ``blocks.0.attn.wq`` [d_model, H, d_head], ``blocks.0.attn.coupling.w1``,
-                            ``final_norm.scale`` (the names are the model's own attribute paths, so they change only
-                            when model.py's structure does)
+                            ``final_norm.scale`` (the names are the unscanned model's own attribute paths, so they
+                            change only when model.py's structure does: a model.scan_layers run is written per
+                            layer too, and stacked back on load when its config asks for scanned layers)
     DIR/config.json         the run's full config; the loader reads its ``model`` block
     DIR/tokenizer.json      the BPE tokenizer (absent for the byte tokenizer)
-    DIR/export.json         written last: format, checkpoint step, tokenizer kind / size / end-of-text id, and the
+    DIR/export.json         written last: format, checkpoint step, replica and seed, tokenizer kind / size / end-of-text id, and the
                             SHA-256 of every other file, checked on load so a damaged file is refused by name
 
 The folder is written under a temporary name and renamed into place, so an interrupted export never leaves a
@@ -58,10 +59,48 @@ def flatten_params(params: Any) -> dict[str, np.ndarray]:
     return {_name(p): np.asarray(jax.device_get(x)) for p, x in leaves}
 
 
+def per_layer_tensors(params: Any, mcfg: ModelConfig) -> dict[str, np.ndarray]:
+    """The export's names: :func:`flatten_params`, with a scanned stack of layers (``model.scan_layers``: one
+    ``blocks.attn.wq`` [L, ...]) split into the per-layer names of the unscanned model (``blocks.0.attn.wq`` ...).
+    A speed flag does not change the names, only the model's structure does."""
+    flat = flatten_params(params)
+    if not mcfg.scan_layers:
+        return flat
+    out = {}
+    for name, value in flat.items():
+        if name.startswith("blocks."):
+            assert value.shape[0] == mcfg.n_layers, (name, value.shape)
+            out.update({f"blocks.{i}.{name[len('blocks.'):]}": value[i] for i in range(mcfg.n_layers)})
+        else:
+            out[name] = value
+    return out
+
+
+def _stack_layers(tensors: dict[str, np.ndarray], mcfg: ModelConfig) -> dict[str, np.ndarray]:
+    """Inverse of :func:`per_layer_tensors` for a config with ``model.scan_layers``: ``blocks.<i>.X`` for every
+    layer i -> ``blocks.X`` [L, ...]. Names that do not cover every layer stay as they are (and are reported as not
+    fitting the model)."""
+    if not mcfg.scan_layers:
+        return tensors
+    out = {k: v for k, v in tensors.items() if not k.startswith("blocks.")}
+    rests = sorted({k.split(".", 2)[2] for k in tensors if k.startswith("blocks.") and k.count(".") >= 2})
+    for rest in rests:
+        names = [f"blocks.{i}.{rest}" for i in range(mcfg.n_layers)]
+        if all(n in tensors for n in names) and len({tensors[n].shape for n in names}) == 1:
+            out[f"blocks.{rest}"] = np.stack([tensors[n] for n in names])
+        else:
+            out.update({n: tensors[n] for n in names if n in tensors})
+    for k, v in tensors.items():  # anything left under blocks. that is not a layer's
+        if k.startswith("blocks.") and k.count(".") < 2:
+            out[k] = v
+    return out
+
+
 # -- writing ---------------------------------------------------------------------------------------------------------
 def write_export(out: str | os.PathLike[str], params: Any, config: dict[str, Any], tokenizer: Tokenizer,
-                 step: int | None = None) -> Path:
-    """Writes an export folder from a params pytree, the run's config dict and its tokenizer; returns its path.
+                 step: int | None = None, replica: dict[str, int] | None = None) -> Path:
+    """Writes an export folder from one model's params pytree (no seed axis), the run's config dict and its
+    tokenizer; ``replica`` ({"replica", "seed"}) says which seed of a seed-parallel run it is. Returns its path.
 
     ``out`` may be missing, empty, or an earlier export (replaced); any other existing path is refused.
     """
@@ -70,8 +109,8 @@ def write_export(out: str | os.PathLike[str], params: Any, config: dict[str, Any
     out = Path(out).absolute()
     if out.exists() and not (out.is_dir() and (not any(out.iterdir()) or (out / MANIFEST).is_file())):
         raise ExportError(f"--out {out} exists and is not an export folder; choose a new or empty directory")
-    ModelConfig.from_dict(config["model"])  # the loader must be able to read what we write
-    tensors = {k: np.ascontiguousarray(v) for k, v in flatten_params(params).items()}
+    mcfg = ModelConfig.from_dict(config["model"])  # the loader must be able to read what we write
+    tensors = {k: np.ascontiguousarray(v) for k, v in per_layer_tensors(params, mcfg).items()}
     tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -84,7 +123,7 @@ def write_export(out: str | os.PathLike[str], params: Any, config: dict[str, Any
     elif not isinstance(tokenizer, ByteTokenizer):
         raise ExportError(f"cannot export a {type(tokenizer).__name__}; expected a BPE or byte tokenizer")
     manifest = {
-        "format": FORMAT, "format_version": FORMAT_VERSION, "step": step,
+        "format": FORMAT, "format_version": FORMAT_VERSION, "step": step, **(replica or {}),
         "tokenizer": {"kind": tokenizer.kind, "vocab_size": int(tokenizer.vocab_size), "eot_id": int(tokenizer.eot_id),
                       "file": TOKENIZER if TOKENIZER in files else None},
         "parameters": {"count": int(sum(v.size for v in tensors.values())), "tensors": len(tensors)},
@@ -97,13 +136,19 @@ def write_export(out: str | os.PathLike[str], params: Any, config: dict[str, Any
     return out
 
 
-def export_run(workdir: str | os.PathLike[str], out: str | os.PathLike[str]) -> Path:
-    """Exports the latest completed checkpoint of the train.py run in ``workdir`` (its own config and tokenizer)."""
-    from coupled_qk_jax.training import loop  # noqa: PLC0415 - the loader side needs none of the training stack
+def export_run(workdir: str | os.PathLike[str], out: str | os.PathLike[str], *, step: int | None = None,
+               replica: int = 0, mesh: Any = None) -> Path:
+    """Exports one replica (default 0) of checkpoint ``step`` (default: the newest intact one) of the train.py run in
+    ``workdir``, with its own config and tokenizer (training.run.Run, restored on one device or ``mesh``)."""
+    from coupled_qk_jax.training.run import Run  # noqa: PLC0415 - the loader side needs none of the training stack
 
-    cfg = loop.saved_run_config(str(workdir))
-    s, state = loop.restore_latest(cfg, str(workdir))
-    return write_export(out, state["params"], cfg.to_dict(), s.cache.tokenizer, step=int(state["step"]))
+    run = Run.open(str(workdir), mesh=mesh)
+    run.check_replica(replica)
+    if run.tokenizer is None:
+        raise ExportError(f"{workdir} is a {run.cfg.task} run: it has no tokenizer, export handles language models")
+    at, _ = run.state(step)
+    return write_export(out, run.params(at, replica), run.cfg.to_dict(), run.tokenizer, step=at,
+                        replica={"replica": replica, "seed": run.seeds[replica]})
 
 
 # -- loading ---------------------------------------------------------------------------------------------------------
@@ -144,13 +189,15 @@ def load_exported(directory: str | os.PathLike[str]) -> tuple[nnx.Module, Tokeni
 
     d = Path(directory)
     manifest = _read_manifest(d)
-    config = json.loads((d / CONFIG).read_text(encoding="utf-8"))
+    from coupled_qk_jax.training.rundir import upgrade_config  # noqa: PLC0415
+
+    config, _ = upgrade_config(json.loads((d / CONFIG).read_text(encoding="utf-8")))
     try:
         mcfg = ModelConfig.from_dict(config.get("model", {}))
     except (TypeError, ValueError) as e:
         raise ExportError(f"{d / CONFIG} has no valid model block: {str(e).splitlines()[0]}") from None
     try:
-        tensors = load_file(str(d / WEIGHTS))
+        tensors = _stack_layers(load_file(str(d / WEIGHTS)), mcfg)  # the config's layout of the layers
     except SafetensorError as e:
         raise ExportError(f"{d / WEIGHTS} cannot be read ({e}); export again") from None
 

@@ -1,6 +1,7 @@
 """Sampling from a trained model with a preallocated KV cache: one jitted prefill, one jitted decode step.
 
-    model, tokenizer = load_run("runs/main_job/coupled_euler")
+    run = Run.open("runs/main_job/coupled_euler")     # coupled_qk_jax.training.run
+    model, tokenizer = run.model(), run.tokenizer
     gen = Generator(model, vocab_limit=tokenizer.vocab_size)
     ids = gen.generate(encode_prompts(tokenizer, ["def ", "import"]), max_new_tokens=64,
                        sampling=Sampling(temperature=0.8, top_k=50), seed=0)
@@ -234,21 +235,3 @@ def parse_token_ids(text: str, vocab: int) -> np.ndarray:
     if bad:
         raise UserError(f"--ids: token id {bad[0]} is outside the tokenizer's vocabulary 0..{vocab - 1}")
     return np.asarray(ids, np.int32)
-
-
-def load_run(workdir: str, replica: int = 0) -> tuple[TransformerLM, Any]:
-    """The model of `workdir`'s latest checkpoint, on one device, and the run's tokenizer, from the run's own
-    config (training/loop.py's restore helpers, as eval.py and export.py use them). replica: which seed's model of a
-    seed-parallel run (train.num_seeds > 1)."""
-    from coupled_qk_jax.training import loop
-
-    cfg = loop.saved_run_config(workdir)
-    s, state = loop.restore_latest(cfg, workdir)
-    params = state["params"]
-    if not 0 <= replica < len(s.seeds):
-        raise UserError(f"--replica={replica}: the run has {len(s.seeds)} seed replica(s), 0..{len(s.seeds) - 1}")
-    if len(s.seeds) > 1:
-        params = loop.seed_slice(params, replica)
-    # Generation runs on one device: bring the (possibly mesh-replicated) parameters there.
-    params = jax.device_put(params, jax.devices()[0])
-    return nnx.merge(s.graphdef, params), s.cache.tokenizer

@@ -219,6 +219,7 @@ def run_cell(variant: str, qk_mult: float, *, workdir: str | Path, scale: str, s
     """Train one (variant, qk_lr_mult) cell for all seeds in parallel in ``workdir`` (resumed if it holds a
     checkpoint) and measure it. Returns a JSON-able dict, or None when training was stopped (SIGTERM)."""
     from coupled_qk_jax.training import loop  # noqa: PLC0415
+    from coupled_qk_jax.training.run import Run as SavedRun  # noqa: PLC0415
     from experiments.sweep import Run, make_config  # noqa: PLC0415
 
     seeds = [int(x) for x in seeds]
@@ -233,14 +234,13 @@ def run_cell(variant: str, qk_mult: float, *, workdir: str | Path, scale: str, s
     summary = loop.train(cfg, str(workdir), progress=False)
     if summary["status"] != "completed":
         return None
-    s, state = loop.restore_latest(cfg, str(workdir))
+    saved = SavedRun.open(workdir, config=cfg, report=False)
     seq_len, batch = int(cfg.data.seq_len), int(cfg.train.batch_size)
-    batches = diagnostic_batches(s.cache.tokens("validation"), seq_len, batch, diag_batches, s.cache.eot_id)
-    collect = make_collect_fn(s.graphdef)
-    params = loop.host_params(state["params"])
+    batches = diagnostic_batches(saved.data.tokens("validation"), seq_len, batch, diag_batches, saved.data.eot_id)
+    collect = make_collect_fn(saved.graphdef)
     t0 = time.perf_counter()
-    per_seed = [attention_diagnostics(collect, params if len(seeds) == 1 else loop.seed_slice(params, i), batches,
-                                      tau_att, tau_conf) for i in range(len(seeds))]
+    per_seed = [attention_diagnostics(collect, loop.host_params(saved.params(replica=i)), batches, tau_att, tau_conf)
+                for i in range(len(seeds))]
     final_ppl = summary.get("val_ppl/seeds", [summary["val_ppl"]])
     _log(f"[{run.name}] diagnostics {time.perf_counter() - t0:.0f}s; ppl {np.round(final_ppl, 2)} "
          f"H_norm {[round(d['mean']['entropy_norm'], 3) for d in per_seed]}")

@@ -284,26 +284,23 @@ def _find_reusable(spec: dict[str, Any], reuse: list[Path]) -> Path | None:
 def diagnose(cfg: ml_collections.ConfigDict, workdir: Path) -> list[dict[str, Any]]:
     """Attention diagnostics (coupled_qk_jax.diagnostics_report) of every seed's final params on the first
     ``reports.DIAG_WINDOWS`` full validation windows (LM) or test examples (MQAR)."""
+    import jax  # noqa: PLC0415
     from flax import nnx  # noqa: PLC0415
 
     from coupled_qk_jax.data.pipeline import eval_batches  # noqa: PLC0415
     from coupled_qk_jax.diagnostics_report import compute_diagnostics  # noqa: PLC0415
-    from coupled_qk_jax.training import loop  # noqa: PLC0415
+    from coupled_qk_jax.training.run import Run  # noqa: PLC0415
 
-    s, state = loop.restore_latest(cfg, str(workdir))
-    if s.task.name == "lm":
-        first = next(iter(eval_batches(s.cache.tokens("validation"), int(cfg.data.seq_len), reports.DIAG_WINDOWS,
-                                       bos_id=s.cache.eot_id)))
+    run = Run.open(workdir, config=cfg, report=False)
+    if run.data is not None:
+        first = next(iter(eval_batches(run.data.tokens("validation"), int(cfg.data.seq_len), reports.DIAG_WINDOWS,
+                                       bos_id=run.data.eot_id)))
         tokens = first["inputs"][(first["targets"] != -100).all(axis=1)]
     else:
-        batch = s.task.test[0]
+        batch = run.task().test[0]
         tokens = batch["inputs"][batch["mask"]][: reports.DIAG_WINDOWS]
-    params = loop.host_params(state["params"])
-    out = []
-    for i in range(len(s.seeds)):
-        p = params if len(s.seeds) == 1 else loop.seed_slice(params, i)
-        out.append(compute_diagnostics(nnx.merge(s.graphdef, p), tokens))
-    return out
+    return [compute_diagnostics(nnx.merge(run.graphdef, jax.device_get(run.params(replica=i))), tokens)
+            for i in range(run.num_replicas)]
 
 
 def run_cell(run: Run, cfg: ml_collections.ConfigDict, workdir: Path, *, force: bool = False,

@@ -112,8 +112,8 @@ def test_report_from_checkpoint(tmp_path):
     cfg.checkpoint.update(every=2, keep_last=1)
     work = str(tmp_path / "run")
     _, state = loop.train(cfg, work, progress=False, return_state=True)
-    rep = report_from_checkpoint(cfg, work, "validation", windows=4)
-    test_rep = report_from_checkpoint(cfg, work, "test", windows=4)
+    rep = report_from_checkpoint(work, "validation", windows=4)
+    test_rep = report_from_checkpoint(work, "test", windows=4)
     # one pair of files per split and step: the second split does not overwrite the first
     for split, r in (("validation", rep), ("test", test_rep)):
         assert r["files"] == {ext: os.path.join(work, f"diagnostics_{split}_step2.{ext}") for ext in ("json", "png")}

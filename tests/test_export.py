@@ -23,6 +23,7 @@ from coupled_qk_jax.data.corpora import CorpusSpec, iter_documents
 from coupled_qk_jax.data.tokenizer import BPETokenizer
 from coupled_qk_jax.export import ExportError, flatten_params, load_exported
 from coupled_qk_jax.training import loop
+from coupled_qk_jax.training.run import Run
 from test_training import tiny_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -60,8 +61,9 @@ def test_tokenizer_smaller_than_vocab_trains(run):
 
 def test_export_then_load_gives_identical_logits(run):
     tmp, cfg, workdir, exported, _ = run
-    s, state = loop.restore_latest(cfg, str(workdir))
-    reference = nnx.merge(s.graphdef, loop.host_params(state["params"]))
+    run = Run.open(str(workdir), config=cfg)
+    step, state = run.state()
+    reference = run.model()
     model, tokenizer, manifest = load_exported(exported)
 
     from safetensors import safe_open
@@ -75,7 +77,7 @@ def test_export_then_load_gives_identical_logits(run):
     assert names == set(expected)
     for k, v in expected.items():
         assert saved[k].dtype == v.dtype and np.array_equal(saved[k], v), k
-    assert manifest["step"] == 3 and manifest["parameters"]["count"] == s.n_params
+    assert manifest["step"] == step == 3 and manifest["parameters"]["count"] == run.layout.n_params
     assert manifest["config"]["model"] == cfg.model.to_dict()
 
     tokens = np.asarray(tokenizer.encode("alpha beta gamma delta epsilon zeta eta theta iota kappa")[None, :24])

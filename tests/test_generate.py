@@ -298,22 +298,24 @@ def test_load_run_and_sample_cli(tmp_path):
     from test_training import leaves_with_names, tiny_config
 
     from coupled_qk_jax.training import loop
+    from coupled_qk_jax.training.run import Run
 
     cfg = tiny_config(tmp_path, "coupled_leapfrog", steps=2, num_seeds=2)  # a seed-parallel run: two models
     cfg.model.positions = "rope"
     workdir = str(tmp_path / "run")
     _, state = loop.train(cfg, workdir, progress=False, return_state=True)
+    run = Run.open(workdir)
     for replica in (0, 1):
-        model, tokenizer = generate.load_run(workdir, replica)
-        restored = leaves_with_names(nnx.to_pure_dict(nnx.state(model)))
+        restored = leaves_with_names(nnx.to_pure_dict(nnx.state(run.model(replica=replica))))
         trained = leaves_with_names(loop.seed_slice(state["params"], replica))
         assert restored.keys() == trained.keys()
         for name in trained:
             np.testing.assert_array_equal(restored[name], trained[name], err_msg=name)
+    tokenizer = run.tokenizer
     assert tokenizer.kind == "byte" and tokenizer.vocab_size == 257
     with pytest.raises(UserError, match="--replica=2: the run has 2 seed replica"):
-        generate.load_run(workdir, 2)
-    model, _ = generate.load_run(workdir)  # replica 0, what sample.py uses by default
+        run.model(replica=2)
+    model = run.model()  # replica 0, what sample.py uses by default
 
     prompts = generate.encode_prompts(tokenizer, ["def f"]) + [np.array([100, 101], np.int32)]
     expected = Generator(model, vocab_limit=tokenizer.vocab_size).generate(prompts, 5, GREEDY)

@@ -103,9 +103,11 @@ def test_accuracy_counts_only_labelled_positions(trained):
     """A fixed batch whose labels agree with the model's own predictions at exactly j_e of each example's 4
     labelled positions (j_e = e mod 5): accuracy = mean(j_e / 4), whatever the model predicts elsewhere."""
     cfg, workdir, _, _ = trained
-    s, state = loop.restore_latest(cfg, workdir)
-    batch = s.task.test[0]
-    params0 = loop.seed_slice(loop.host_params(state["params"]), 0)
+    from coupled_qk_jax.training.run import Run
+
+    run = Run.open(workdir, config=cfg)
+    batch = run.task().test[0]
+    params0 = loop.host_params(run.params(replica=0))
     preds = _logits(cfg, params0, batch["inputs"]).argmax(-1)
     labels = np.full_like(batch["labels"], -100)
     hand = []

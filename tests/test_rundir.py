@@ -19,6 +19,7 @@ import pytest
 from coupled_qk_jax.errors import UserError
 from coupled_qk_jax.training import loop, rundir
 from coupled_qk_jax.training.checkpoint import CheckpointSaveError
+from coupled_qk_jax.training.run import Run
 from coupled_qk_jax.training.writers import MetricsWriter, read_metrics
 from test_training import leaves_with_names, tiny_config, write_corpus
 
@@ -141,7 +142,7 @@ def test_eval_refuses_a_disagreeing_config_and_needs_only_the_run_directory(run,
     other.data.corpus = "stdlib"
     with pytest.raises(UserError, match=r"--config disagrees with the run .*data.corpus: run '.*', --config "
                                         r"'stdlib'; model.n_steps: run 1, --config 2"):
-        loop.saved_run_config(str(wd), other)
+        Run.open(str(wd), config=other)
     # Moved: the copy evaluates with the corpus and the token cache gone.
     moved = tmp_path / "elsewhere" / "run"
     shutil.copytree(wd, moved)
@@ -150,7 +151,8 @@ def test_eval_refuses_a_disagreeing_config_and_needs_only_the_run_directory(run,
         os.rename(p, f"{p}.hidden")
     try:
         snapshot = {str(p): p.stat().st_mtime_ns for p in moved.rglob("*")}
-        result = loop.evaluate_run(str(moved), "validation")
+        # On the training's mesh (every device): the same batch split, so the loss equals the training's bitwise.
+        result = Run.open(str(moved), mesh="data:-1").evaluate("validation")
     finally:
         for p in hidden:
             os.rename(f"{p}.hidden", p)
@@ -196,8 +198,8 @@ def test_damaged_newest_checkpoint_falls_back_with_a_warning(run, how, capfd):
     _, wd = run
     _damage(wd, how)
     capfd.readouterr()
-    s, state = loop.restore_latest(None, str(wd))  # the path eval.py, diagnostics and export take
-    assert s.latest == 3 and int(state["step"]) == 3
+    step, state = Run.open(str(wd)).state()  # the path eval.py, sample.py, diagnostics and export take
+    assert step == 3 and int(state["step"]) == 3
     err = capfd.readouterr().err
     assert f"warning: checkpoint step 6 in {wd / 'checkpoints'} is damaged (" in err and "trying step 3" in err
     assert len([line for line in err.splitlines() if line.startswith("warning:")]) == 1
@@ -210,7 +212,7 @@ def test_every_checkpoint_damaged_is_one_line_error(run):
         f = _largest_file(wd / "checkpoints" / step / "state" / "d")
         f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
     with pytest.raises(UserError, match=r"no intact checkpoint in .*step 6: .*; step 3: "):
-        loop.restore_latest(None, str(wd))
+        Run.open(str(wd)).state()
 
 
 def test_resume_from_older_checkpoint_after_damage_matches_the_straight_run(run, base):

@@ -121,7 +121,9 @@ def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
     assert f"checkpoint is step {last}" in str(info.value)
     ck.close()
     # The kept checkpoint is finite: resuming from it evaluates to a finite loss.
-    result = loop.evaluate_run(str(tmp_path / "run"), "validation")
+    from coupled_qk_jax.training.run import Run
+
+    result = Run.open(str(tmp_path / "run")).evaluate("validation")
     assert result["step"] == last and math.isfinite(result["loss"])
 
 

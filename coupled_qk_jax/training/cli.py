@@ -135,3 +135,17 @@ def exit_process(code: int) -> None:
         sys.stderr.flush()
         os._exit(code)
     sys.exit(code)
+
+
+def parse_replica(text: str) -> int | str:
+    """--replica: ``"all"`` or a replica index K >= 0 (range-checked by the run, which knows how many it has)."""
+    text = str(text).strip()
+    if text == "all":
+        return "all"
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise UserError(f"--replica={text}: expected a replica index 0, 1, ... or all")
+    return value

@@ -17,8 +17,9 @@ The run directory (training/rundir.py) is the source of truth: a first start rec
 fingerprint, the tokenizer and the held-out splits in it; every later start checks the config and the data against
 them before anything is tokenised or trained, and evaluation needs nothing but the run directory.
 
-Public entry points: :func:`train` (used by train.py and the main job), :func:`evaluate_run` (eval.py) and
-:func:`restore_latest` (diagnostics, export).
+Public entry point: :func:`train` (used by train.py, the main job and the sweeps). Saved runs are read (evaluated,
+sampled, exported, diagnosed) through training/run.py's :class:`Run`, which shares :func:`run.state_layout` with
+:func:`setup`.
 """
 
 from __future__ import annotations
@@ -37,7 +38,6 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -52,6 +52,7 @@ from coupled_qk_jax.model import TransformerLM
 from coupled_qk_jax.training import observe
 from coupled_qk_jax.training import optimizer as opt_lib
 from coupled_qk_jax.training import rundir, tasks
+from coupled_qk_jax.training import run as run_lib
 from coupled_qk_jax.training.early_stop import EarlyStop
 from coupled_qk_jax.training.checkpoint import Checkpointer, abstract_target
 from coupled_qk_jax.training.steps import init_train_state, make_train_step, split_model
@@ -198,6 +199,9 @@ def prepare_data(cfg: ml_collections.ConfigDict, mcfg: ModelConfig, workdir: str
     counts and hashes) after."""
     saved_cfg = rundir.run_config(workdir)
     changes = rundir.resume_changes(saved_cfg, cfg.to_dict(), allow_change, workdir) if saved_cfg else {}
+    if saved_cfg and jax.process_index() == 0:  # a run started by an older version: what reading it assumed
+        for note in rundir.upgrade_config(saved_cfg)[1]:
+            print(f"note: {note}", file=sys.stderr, flush=True)
     saved = rundir.read_json(os.path.join(workdir, rundir.DATA))
     if tasks.task_name(cfg) != "lm":  # generated data (MQAR): fixed by the config, which is checked above
         fingerprint = {"task": tasks.task_name(cfg)}
@@ -272,22 +276,12 @@ def setup(cfg: ml_collections.ConfigDict, workdir: str, cache: Any = None, *, re
         task = tasks.MQARTask(cfg, mcfg, batch_devices)
     task.validate(batch_devices)
     seeds = seeds_of(cfg)
-    # Shapes only: the abstract model carries the logical-axis metadata that the shardings are read from.
-    abstract_model = nnx.eval_shape(lambda: TransformerLM(mcfg, seeds[0]))
-    graphdef, abstract_params = split_model(abstract_model)
-    tx = opt_lib.make_optimizer(abstract_params, cfg.train)
-    abstract_state = jax.eval_shape(lambda p: init_train_state(p, tx), abstract_params)
-    shardings = shd.train_state_shardings(abstract_model, tx, abstract_state, mesh)
-    if len(seeds) > 1:  # the seed axis leads every leaf and is replicated: each seed is sharded as a single run
-        abstract_state = jax.tree.map(lambda x: jax.ShapeDtypeStruct((len(seeds),) + x.shape, x.dtype),
-                                      abstract_state)
-        shardings = jax.tree.map(lambda sh: NamedSharding(mesh, P(None, *sh.spec)), shardings)
-    n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(abstract_params))
+    layout = run_lib.state_layout(mcfg, cfg.train, seeds, mesh)
     ck = cfg.checkpoint
     checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), int(ck.keep_last), int(ck.keep_every),
                                 bool(ck.async_save), read_only=read_only)
-    return Setup(cfg, mcfg, mesh, cache, task, seeds, graphdef, abstract_state, tx, shardings, n_params,
-                 checkpointer)
+    return Setup(cfg, mcfg, mesh, cache, task, seeds, layout.graphdef, layout.abstract_state, layout.tx,
+                 layout.shardings, layout.n_params, checkpointer)
 
 
 def make_sharded_train_step(s: Setup):
@@ -478,7 +472,7 @@ def _train_locked(cfg: ml_collections.ConfigDict, workdir: str, progress: bool, 
         # State: restored (arrays land directly in their shardings, the iterator at its saved position) or fresh.
         state, meta = _restore_or_init(s, data_iter, cfg, workdir, fingerprint, stream)
         if main:
-            rundir.write_json(os.path.join(workdir, rundir.CONFIG), config_json)
+            rundir.write_json(os.path.join(workdir, rundir.CONFIG), rundir.config_with_schema(config_json))
             rundir.record_history(workdir, "resume" if s.latest is not None else "start", step=s.latest or 0,
                                   changes={k: {"run": a, "now": b} for k, (a, b) in changes.items()})
     except BaseException:
@@ -687,61 +681,8 @@ def summary_metrics(metrics: dict[str, Any], num_seeds: int) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# Evaluation of a saved run.
+# Helpers for tests and drivers. Reading a saved run (eval, sample, export, diagnostics): training/run.py.
 # --------------------------------------------------------------------------------------------------------------------
-
-
-def saved_run_config(workdir: str, cfg: ml_collections.ConfigDict | None = None) -> ml_collections.ConfigDict:
-    """The run's config, WORKDIR/config.json. An explicit ``cfg`` is returned only when it agrees with the run
-    (runtime fields such as the mesh aside); otherwise a UserError names every differing field."""
-    workdir = os.path.abspath(workdir)
-    saved = rundir.run_config(workdir)
-    if saved is None:
-        raise UserError(f"{workdir} is not a run directory (no {rundir.CONFIG}): train first, "
-                        f"python train.py --config=... --workdir={workdir}")
-    if cfg is not None:
-        rundir.check_eval_config(saved, cfg.to_dict(), workdir)
-        return cfg
-    return ml_collections.ConfigDict(saved)
-
-
-def restore_latest(cfg: ml_collections.ConfigDict | None, workdir: str) -> tuple[Setup, dict]:
-    """Set up ``workdir``'s run from the run directory alone (its config, tokenizer and held-out splits: no corpus,
-    no token cache) and restore its newest intact train state into the mesh's shardings (no data iterator: for
-    evaluation, diagnostics and export). ``cfg`` may be None (the run's own) or must agree with the run. Nothing
-    in ``workdir`` is written; the checkpoint manager is closed before returning."""
-    workdir = os.path.abspath(workdir)
-    cfg = saved_run_config(workdir, cfg)
-    data = rundir.RunData(workdir) if tasks.task_name(cfg) == "lm" else None
-    s = setup(cfg, workdir, data, read_only=True)
-    try:
-        found = s.checkpointer.restore_newest_intact(abstract_target(s.abstract_state, s.shardings))
-        if found is None:
-            raise UserError(f"no completed checkpoint in {s.checkpointer.directory}: train first")
-        s.latest, state, _ = found
-    finally:
-        s.checkpointer.close()
-    return s, state
-
-
-def evaluate_run(workdir: str, split: str = "validation",
-                 cfg: ml_collections.ConfigDict | None = None) -> dict[str, Any]:
-    """Score the newest intact checkpoint of ``workdir`` on a whole held-out split (every token once). Writes
-    nothing: the caller prints the result, then stores it (rundir.write_eval_result), never over summary.json.
-    LM keys: ``loss``, ``ppl``, ``tokens`` (``name/seeds``, ``name/std`` with several seeds); MQAR: its metrics."""
-    if split not in rundir.HELD_OUT_SPLITS:
-        raise UserError(f"--split must be 'validation' or 'test', got {split!r}")
-    t_start = time.time()
-    s, state = restore_latest(cfg, workdir)
-    result = make_evaluator(s)(state["params"], split=split)
-    metrics = {(k[4:] if k.startswith("val_") else k): v for k, v in result.items()}
-    step = int(np.asarray(state["step"]).reshape(-1)[0])
-    return {"split": split, "step": step, **summary_metrics(metrics, len(s.seeds)), "task": s.task.name,
-            "variant": s.mcfg.variant, "n_params": s.n_params, "seeds": list(s.seeds),
-            "seq_len": int(s.cfg.data.seq_len),
-            "tokens_seen": step * int(s.cfg.train.batch_size) * int(s.cfg.data.seq_len),
-            "workdir": os.path.abspath(workdir), "devices": jax.device_count(),
-            "wall_seconds": round(time.time() - t_start, 3)}
 
 
 def host_params(state_or_params: Any) -> Any:

@@ -23,6 +23,7 @@ every other field (model, data, batch size, seed, optimiser, schedule shape...) 
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import fcntl
 import json
@@ -54,6 +55,13 @@ FINGERPRINTED_FIELDS = frozenset({"data.corpus", "data.tokenizer_path"})
 # config.json lacks one resumes (and is evaluated) under a config holding that value, as if it had been recorded.
 ADDED_FIELDS = {"train.early_stop.metric": "", "train.early_stop.mode": "max", "train.early_stop.patience": 0,
                 "train.early_stop.min_delta": 0.0, "train.early_stop.threshold": None}
+# Fields the code no longer has, with their last default: a run that used it is read (resumed, evaluated) as if the
+# field had never existed; a run that set another value is refused (this version cannot reproduce its results).
+REMOVED_FIELDS = {"model.coupling_lowering": "batched"}  # removed in ab94b09 (one lowering of f over heads)
+# config.json's schema: written as its "schema_version" key. 1: no key (every run before the key existed).
+SCHEMA_VERSION, SCHEMA_KEY = 2, "schema_version"
+# What an evaluation depends on: eval.py --config may differ from the run elsewhere (it is ignored there, with a note).
+EVAL_FIELDS = ("task", "model.", "data.", "mqar.")
 # Meaningful to change on resume; each needs --allow_change=FIELD and is recorded in history.jsonl. The stopping
 # rule (train.early_stop.*) is among them: a stopped run is a prefix of the full one.
 CHANGEABLE_FIELDS = ("train.steps", "train.log_every", "train.eval_every", "train.eval_batches",
@@ -167,12 +175,14 @@ def _describe(diffs: dict[str, tuple[Any, Any]], old: str, new: str) -> str:
 
 def resume_changes(saved: dict[str, Any], new: dict[str, Any], allow_change: Sequence[str],
                    workdir: str) -> dict[str, tuple[Any, Any]]:
-    """The allowed changes ``{field: (run's, new)}`` of a resume; raises UserError naming every refused field."""
+    """The allowed changes ``{field: (run's, new)}`` of a resume; raises UserError naming every refused field. Both
+    configs are compared in this version's schema (:func:`upgrade_config`): a field added since the run started
+    counts as its default, a removed one as absent."""
     for name in allow_change:
         if name not in CHANGEABLE_FIELDS:
             raise UserError(f"--allow_change={name}: not a field that may change on resume"
                             f"{did_you_mean(name, CHANGEABLE_FIELDS)}; those are {', '.join(CHANGEABLE_FIELDS)}")
-    diffs = {k: v for k, v in config_differences(saved, new).items()
+    diffs = {k: v for k, v in config_differences(upgrade_config(saved)[0], upgrade_config(new)[0]).items()
              if k not in RUNTIME_FIELDS and k not in FINGERPRINTED_FIELDS}
     fixed = {k: v for k, v in diffs.items() if k not in CHANGEABLE_FIELDS}
     unallowed = {k: v for k, v in diffs.items() if k in CHANGEABLE_FIELDS and k not in allow_change}
@@ -187,12 +197,70 @@ def resume_changes(saved: dict[str, Any], new: dict[str, Any], allow_change: Seq
     return {k: v for k, v in diffs.items() if k in CHANGEABLE_FIELDS}
 
 
-def check_eval_config(run_cfg: dict[str, Any], given: dict[str, Any], workdir: str) -> None:
-    """eval.py --config must agree with the run (runtime fields aside); the run's own config needs no --config."""
-    diffs = {k: v for k, v in config_differences(run_cfg, given).items() if k not in RUNTIME_FIELDS}
-    if diffs:
-        raise UserError(f"--config disagrees with the run in {workdir}: {_describe(diffs, 'run', '--config')}; "
+def check_eval_config(run_cfg: dict[str, Any], given: dict[str, Any], workdir: str) -> list[str]:
+    """eval.py --config must agree with the run in every field that changes what is evaluated (:data:`EVAL_FIELDS`;
+    runtime fields aside); the others are ignored, one note each (returned). The run's own config needs no
+    --config."""
+    diffs = {k: v for k, v in config_differences(run_cfg, upgrade_config(given)[0]).items()
+             if k not in RUNTIME_FIELDS}
+    refused = {k: v for k, v in diffs.items() if k == "task" or k.startswith(EVAL_FIELDS[1:])}
+    if refused:
+        raise UserError(f"--config disagrees with the run in {workdir}: {_describe(refused, 'run', '--config')}; "
                         f"omit --config to evaluate with the run's own config.json")
+    return [f"{k}: --config has {b!r}, the run {a!r}; it does not change the evaluation, ignored"
+            for k, (a, b) in diffs.items() if k not in refused]
+
+
+def _unflatten(flat: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, value in flat.items():
+        node = out
+        *parents, leaf = name.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return out
+
+
+def upgrade_config(saved: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """A config.json of any schema version -> ``(this version's config dict, notes)``, without the version key.
+
+    * A field this code added (:data:`ADDED_FIELDS`, or a ``ModelConfig`` field) that the run lacks takes the value
+      that means what the run did, noted as "X: not in this run, using default Y".
+    * A field this code removed (:data:`REMOVED_FIELDS`) is dropped with a note if the run held its last default;
+      any other value is a UserError (the run's results would differ under this code).
+    * A run written by a newer schema than this code reads is a UserError.
+    """
+    from coupled_qk_jax.config import ModelConfig  # noqa: PLC0415
+
+    version = saved.get(SCHEMA_KEY, 1)
+    if not isinstance(version, int) or version > SCHEMA_VERSION:
+        raise UserError(f"config.json has schema version {version!r}; this code reads up to {SCHEMA_VERSION}: the "
+                        f"run was written by a newer version of coupled_qk_jax, update it")
+    flat = flatten(jsonable({k: v for k, v in saved.items() if k != SCHEMA_KEY}))
+    notes = []
+    for name, last in REMOVED_FIELDS.items():
+        if name in flat:
+            value = flat.pop(name)
+            if value != last:
+                raise UserError(f"{name}={value!r}: this run set a field that this version no longer has (its last "
+                                f"default was {last!r}), so it cannot reproduce the run; use the commit that trained "
+                                f"it (history.jsonl)")
+            notes.append(f"{name}: removed from this version; the run used its last default {last!r}, dropped")
+    added = dict(ADDED_FIELDS)
+    if "model" in saved:
+        for f in dataclasses.fields(ModelConfig):
+            added.setdefault(f"model.{f.name}", f.default)
+    for name, value in added.items():
+        if name.split(".")[0] in saved and name not in flat:
+            flat[name] = value
+            notes.append(f"{name}: not in this run, using default {value!r}")
+    return _unflatten(flat), notes
+
+
+def config_with_schema(cfg: dict[str, Any]) -> dict[str, Any]:
+    """What config.json holds: the config and this code's :data:`SCHEMA_VERSION`."""
+    return {**jsonable(cfg), SCHEMA_KEY: SCHEMA_VERSION}
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -352,12 +420,13 @@ def move_damaged(checkpoint_dir: str, step: int) -> str:
 
 
 def write_eval_result(out_dir: str, result: dict[str, Any]) -> str:
-    """OUT/eval_<split>_step<step>.json (never summary.json); returns its path."""
+    """OUT/eval_<split>_step<step>[_replica<K>].json (never summary.json); returns its path."""
     try:
         os.makedirs(out_dir, exist_ok=True)
     except OSError as e:
         raise UserError(f"cannot write the evaluation to {out_dir}: {e.strerror or e}; pass --out=DIR") from None
-    path = os.path.join(out_dir, f"eval_{result['split']}_step{result['step']}.json")
+    replica = f"_replica{result['replica']}" if "replica" in result else ""
+    path = os.path.join(out_dir, f"eval_{result['split']}_step{result['step']}{replica}.json")
     try:
         write_json(path, result)
     except UserError as e:

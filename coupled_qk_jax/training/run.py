@@ -1,0 +1,300 @@
+"""One way to open a saved run, on any machine, from any later version of this code.
+
+    run = Run.open("runs/ce_tiny")                  # one device; Run.open(DIR, mesh="data:2") for a mesh
+    run.steps                                      # [3, 6]: the completed checkpoints, oldest first
+    model = run.model()                            # replica 0 of the newest intact checkpoint (a TransformerLM)
+    params = run.params(step=3, replica=1)         # seed 1 of a seed-parallel run, as saved at step 3
+    result = run.evaluate("validation", replica="all")
+
+Everything comes from the run directory: config.json (upgraded to this version's schema: rundir.upgrade_config),
+data.json, tokenizer.json, heldout/ and checkpoints/; no corpus, no token cache. The state is restored onto the
+devices of *this* process, in the shardings of the mesh the caller gives (default: one device), whatever mesh
+trained it: none of the training-only rules (a batch size divisible by the devices, the run's own mesh sizes)
+apply. A replica is one seed of a seed-parallel run (``train.num_seeds``); a single run has one, replica 0.
+Nothing in the run directory is written. eval.py, sample.py, export.py, the diagnostics report, the sweep reports
+and the qkov bridge all read runs through this class; training uses :func:`state_layout` for the same shapes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging as std_logging
+import math
+import os
+import time
+from typing import Any, Iterator, Mapping
+
+import jax
+import ml_collections
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from coupled_qk_jax import sharding as shd
+from coupled_qk_jax.config import ModelConfig
+from coupled_qk_jax.errors import UserError
+from coupled_qk_jax.model import TransformerLM
+from coupled_qk_jax.training import optimizer as opt_lib
+from coupled_qk_jax.training import rundir, tasks
+from coupled_qk_jax.training.checkpoint import Checkpointer, DamagedCheckpoint, abstract_target
+from coupled_qk_jax.training.steps import init_train_state, split_model
+
+CHECKPOINTS = "checkpoints"
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The train state's shapes and shardings (shared with the training loop).
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class StateLayout:
+    """What a train state of this model looks like on a mesh. Nothing here holds device memory."""
+
+    graphdef: Any
+    abstract_state: dict  # ShapeDtypeStructs of {"params", "opt_state", "step"}; a leading seed axis when S > 1
+    shardings: dict  # NamedShardings of the train state (the seed axis replicated)
+    param_shardings: Any  # one replica's params' NamedShardings (no seed axis)
+    tx: Any
+    n_params: int  # of one replica
+
+
+def state_layout(mcfg: ModelConfig, train_cfg: ml_collections.ConfigDict, seeds: list[int],
+                 mesh: Mesh) -> StateLayout:
+    """The abstract model, optimiser and shardings of a run with ``seeds`` on ``mesh``. With several seeds every
+    leaf gets a leading seed axis [S, ...], replicated over the mesh: each seed is sharded as a single run."""
+    abstract_model = nnx.eval_shape(lambda: TransformerLM(mcfg, seeds[0]))
+    graphdef, abstract_params = split_model(abstract_model)
+    tx = opt_lib.make_optimizer(abstract_params, train_cfg)
+    abstract_state = jax.eval_shape(lambda p: init_train_state(p, tx), abstract_params)
+    shardings = shd.train_state_shardings(abstract_model, tx, abstract_state, mesh)
+    param_shardings = shardings["params"]
+    if len(seeds) > 1:
+        abstract_state = jax.tree.map(lambda x: jax.ShapeDtypeStruct((len(seeds),) + x.shape, x.dtype),
+                                      abstract_state)
+        shardings = jax.tree.map(lambda sh: NamedSharding(mesh, P(None, *sh.spec)), shardings)
+    n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(abstract_params))
+    return StateLayout(graphdef, abstract_state, shardings, param_shardings, tx, n_params)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The reader's mesh.
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+    """``"data:2,fsdp:1,tensor:1"`` -> ``{"data": 2, "fsdp": 1, "tensor": 1}``; an axis not named is 1, and one
+    axis may be -1 (every device of the process). Raises UserError naming the flag's form."""
+    sizes = dict.fromkeys(shd.MESH_AXES, 1)
+    for part in [p.strip() for p in text.split(",") if p.strip()]:
+        axis, _, value = part.partition(":")
+        axis = axis.strip()
+        try:
+            size = int(value)
+        except ValueError:
+            size = 0
+        if axis not in sizes or size == 0 or size < -1:
+            raise UserError(f"--mesh={text!r}: expected AXIS:SIZE pairs of {', '.join(shd.MESH_AXES)}, e.g. "
+                            f"--mesh=data:2,fsdp:1,tensor:1 (-1 = every device)")
+        sizes[axis] = size
+    return sizes
+
+
+def reader_mesh(mesh: str | Mapping[str, int] | Mesh | None = None) -> Mesh:
+    """The mesh a reader restores onto: the given Mesh, a ``parse_mesh`` string or mapping over the first devices
+    of this process, or (None) one device."""
+    if isinstance(mesh, Mesh):
+        return mesh
+    sizes = parse_mesh(mesh) if isinstance(mesh, str) else dict(mesh or dict.fromkeys(shd.MESH_AXES, 1))
+    devices = jax.local_devices()
+    n = len(devices) if -1 in sizes.values() else int(np.prod(list(sizes.values())))
+    if n > len(devices):
+        raise UserError(f"--mesh {sizes} needs {n} devices, this process has {len(devices)}")
+    try:
+        return shd.make_mesh(sizes, devices[:n])
+    except ValueError as e:
+        raise UserError(f"--mesh: {e}") from None
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The run.
+# --------------------------------------------------------------------------------------------------------------------
+
+
+class _QuietReadOnly(std_logging.Filter):
+    """orbax warns that a read-only manager's directory is read only: true, asked for, and nothing a user can act on."""
+
+    def filter(self, record: std_logging.LogRecord) -> bool:
+        return "is read only" not in record.getMessage() and "read_only=True" not in record.getMessage()
+
+
+@contextlib.contextmanager
+def _checkpointer(directory: str) -> Iterator[Checkpointer]:
+    quiet = _QuietReadOnly()
+    logger = std_logging.getLogger("absl")
+    logger.addFilter(quiet)
+    try:
+        ck = Checkpointer(directory, async_save=False, read_only=True)
+    finally:
+        logger.removeFilter(quiet)
+    try:
+        yield ck
+    finally:
+        ck.close()
+
+
+@dataclasses.dataclass
+class Run:
+    """A run directory opened for reading: see the module docstring. Build it with :meth:`Run.open`."""
+
+    workdir: str
+    cfg: ml_collections.ConfigDict  # the run's config, upgraded to this version's schema
+    mcfg: ModelConfig
+    mesh: Mesh  # where its arrays are restored
+    data: Any  # rundir.RunData (LM: tokenizer, held-out splits) or None (MQAR: generated data)
+    fingerprint: dict[str, Any]  # data.json
+    seeds: list[int]  # one per replica
+    layout: StateLayout
+    steps: list[int]  # the completed checkpoints' steps, oldest first
+    notes: list[str]  # what upgrading config.json to this version's schema did (one line each)
+    _restored: tuple[int | None, int, dict] | None = None  # (the step asked for, the step restored, the state)
+
+    @classmethod
+    def open(cls, workdir: str | os.PathLike[str], *, mesh: str | Mapping[str, int] | Mesh | None = None,
+             config: ml_collections.ConfigDict | None = None, report: bool = True) -> "Run":
+        """Open ``workdir`` (a train.py run directory). ``config``, when given, must agree with the run in every
+        field that changes what is evaluated (rundir.check_eval_config). With ``report`` the upgrade notes are
+        printed once, on stderr. Raises UserError (not a run directory, a removed field set to a non-default
+        value, a damaged tokenizer or split)."""
+        from coupled_qk_jax.training import loop  # noqa: PLC0415 - loop imports this module
+
+        workdir = os.path.abspath(os.fspath(workdir))
+        saved = rundir.run_config(workdir)
+        if saved is None:
+            raise UserError(f"{workdir} is not a run directory (no {rundir.CONFIG}): train first, "
+                            f"python train.py --config=... --workdir={workdir}")
+        upgraded, notes = rundir.upgrade_config(saved)
+        if config is not None:
+            notes += rundir.check_eval_config(upgraded, config.to_dict(), workdir)
+        cfg = ml_collections.ConfigDict(upgraded)
+        mcfg = loop.model_config(cfg)
+        seeds = loop.seeds_of(cfg)
+        data = rundir.RunData(workdir) if tasks.task_name(cfg) == "lm" else None
+        fingerprint = data.fingerprint if data is not None else rundir.read_json(os.path.join(workdir,
+                                                                                              rundir.DATA)) or {}
+        mesh = reader_mesh(mesh)
+        with _checkpointer(os.path.join(workdir, CHECKPOINTS)) as ck:
+            steps = ck.all_steps()
+        if report:
+            import sys  # noqa: PLC0415
+
+            for note in notes:
+                print(f"note: {note}", file=sys.stderr, flush=True)
+        return cls(workdir, cfg, mcfg, mesh, data, fingerprint, seeds, state_layout(mcfg, cfg.train, seeds, mesh),
+                   steps, notes)
+
+    # -- what the run is ---------------------------------------------------------------------------------------
+    @property
+    def num_replicas(self) -> int:
+        return len(self.seeds)
+
+    @property
+    def tokenizer(self) -> Any:
+        """The run's tokenizer (an LM run's BPE or byte tokenizer; None for MQAR)."""
+        return self.data.tokenizer if self.data is not None else None
+
+    @property
+    def graphdef(self) -> Any:
+        return self.layout.graphdef
+
+    def check_replica(self, replica: int) -> int:
+        if isinstance(replica, bool) or not isinstance(replica, (int, np.integer)) \
+                or not 0 <= replica < self.num_replicas:
+            raise UserError(f"--replica={replica}: the run has {self.num_replicas} seed replica(s), "
+                            f"0..{self.num_replicas - 1} (seeds {self.seeds})")
+        return int(replica)
+
+    # -- restoring ---------------------------------------------------------------------------------------------
+    def state(self, step: int | None = None) -> tuple[int, dict]:
+        """``(step, train state)`` of checkpoint ``step`` (default: the newest intact one, older ones tried after a
+        one-line warning per damaged step), every replica, in this run's mesh. The last restore is kept."""
+        if self._restored is not None and step in (self._restored[0], self._restored[1]):
+            return self._restored[1], self._restored[2]
+        target = abstract_target(self.layout.abstract_state, self.layout.shardings)
+        directory = os.path.join(self.workdir, CHECKPOINTS)
+        with _checkpointer(directory) as ck:
+            if step is None:
+                found = ck.restore_newest_intact(target)
+                if found is None:
+                    raise UserError(f"no completed checkpoint in {directory}: train first")
+                at, state, _ = found
+            else:
+                if step not in self.steps:
+                    raise UserError(f"--step={step}: {directory} has checkpoints at steps "
+                                    f"{', '.join(map(str, self.steps)) or 'none'}")
+                try:
+                    state, _ = ck.restore(step, target)
+                except DamagedCheckpoint as e:
+                    raise UserError(f"checkpoint step {step} in {directory} is damaged ({e}); choose another "
+                                    f"--step of {', '.join(str(s) for s in self.steps if s != step)}") from None
+                at = step
+        self._restored = (step, int(at), state)
+        return int(at), state
+
+    def params(self, step: int | None = None, replica: int | None = 0) -> Any:
+        """One replica's params (the tree ``nnx.to_pure_dict`` of the model gives), or with ``replica=None`` every
+        replica's (a leading seed axis when the run has several), on this run's mesh."""
+        _, state = self.state(step)
+        if replica is None or self.num_replicas == 1:
+            if replica is not None:
+                self.check_replica(replica)
+            return state["params"]
+        r = self.check_replica(replica)
+        return jax.tree.map(lambda x, sh: jax.device_put(x[r], sh), state["params"], self.layout.param_shardings)
+
+    def model(self, step: int | None = None, replica: int = 0) -> TransformerLM:
+        """The model of one replica of checkpoint ``step`` (default: the newest intact one)."""
+        return nnx.merge(self.layout.graphdef, self.params(step, replica))
+
+    # -- evaluating --------------------------------------------------------------------------------------------
+    def task(self) -> Any:
+        """The run's task (tasks.LMTask on the run's held-out splits, or tasks.MQARTask) for this mesh. An eval
+        batch size the mesh's data-parallel devices do not divide is rounded up to a multiple of them: every token
+        (example) is still scored once, and only float32 summation order within a batch changes."""
+        devices = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+        cfg = ml_collections.ConfigDict(self.cfg.to_dict())
+        rows = int(cfg.train.get("eval_batch_size", 0)) or (int(cfg.train.batch_size) if cfg.task == "lm" else 0)
+        if rows % devices:
+            cfg.train.eval_batch_size = math.ceil(rows / devices) * devices
+        if tasks.task_name(cfg) == "lm":
+            return tasks.LMTask(cfg, self.data)
+        return tasks.MQARTask(cfg, self.mcfg, devices)
+
+    def evaluate(self, split: str = "validation", step: int | None = None,
+                 replica: int | str = "all") -> dict[str, Any]:
+        """Score checkpoint ``step`` on a whole held-out split (every token once). ``replica``: one replica, or
+        "all" (the seed axis evaluated in one program; ``name/seeds`` and ``name/std`` with several seeds).
+        LM keys: ``loss``, ``ppl``, ``tokens``; MQAR: its metrics. Writes nothing."""
+        from coupled_qk_jax.training import loop  # noqa: PLC0415
+
+        if split not in rundir.HELD_OUT_SPLITS:
+            raise UserError(f"--split must be 'validation' or 'test', got {split!r}")
+        t_start = time.time()
+        at, _ = self.state(step)
+        if replica == "all":
+            params, seeds, shardings = self.params(at, None), self.seeds, self.layout.shardings["params"]
+        else:
+            r = self.check_replica(replica)
+            params, seeds, shardings = self.params(at, r), [self.seeds[r]], self.layout.param_shardings
+        task = self.task()
+        result = task.make_evaluator(self.layout.graphdef, shardings, self.mesh, len(seeds))(params, split=split)
+        metrics = {(k[4:] if k.startswith("val_") else k): v for k, v in result.items()}
+        return {"split": split, "step": at, **loop.summary_metrics(metrics, len(seeds)), "task": task.name,
+                "variant": self.mcfg.variant, "n_params": self.layout.n_params, "seeds": list(seeds),
+                **({} if replica == "all" else {"replica": int(replica)}),
+                "seq_len": int(self.cfg.data.seq_len),
+                "tokens_seen": at * int(self.cfg.train.batch_size) * int(self.cfg.data.seq_len),
+                "workdir": self.workdir, "devices": int(self.mesh.size), "mesh": dict(self.mesh.shape),
+                "wall_seconds": round(time.time() - t_start, 3)}
