@@ -134,6 +134,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         every_seconds=600,  # also save when this many seconds passed since the last save (0 = off)
         keep_last=2,  # keep the latest k checkpoints
         keep_every=0,  # also keep every N-th step permanently (0 = off)
+        # "validation_loss": also keep the checkpoint with the lowest periodic validation loss (orbax's BestN);
+        # "" = off
+        keep_best="",
         async_save=True,
     ))
 

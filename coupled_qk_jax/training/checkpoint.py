@@ -42,6 +42,7 @@ import grain
 from coupled_qk_jax.errors import UserError
 
 ITEMS = ("state", "data", "meta")
+KEEP_BEST = ("", "validation_loss")  # checkpoint.keep_best
 _TMP_MARK = ".orbax-checkpoint-tmp"
 
 
@@ -112,6 +113,25 @@ def _save_cause(e: BaseException) -> str:
     return _first_line(e)
 
 
+def _quiet_orphaned_reads() -> None:
+    """When one array of a step cannot be read, orbax's restore fails and closes its asyncio loop while tensorstore
+    still completes the step's other reads; each completion then raises "Event loop is closed" in tensorstore's
+    callback, reported through sys.unraisablehook as a traceback: hundreds of lines for a damaged step that
+    restore_newest_intact reports in one. This process's unraisablehook drops exactly those (installed once, before
+    the first restore); every other unraisable exception is reported as before."""
+    if getattr(sys.unraisablehook, "_drops_orphaned_reads", False):
+        return
+    previous = sys.unraisablehook
+
+    def hook(unraisable):
+        if unraisable.exc_type is RuntimeError and str(unraisable.exc_value) == "Event loop is closed":
+            return
+        previous(unraisable)
+
+    hook._drops_orphaned_reads = True  # type: ignore[attr-defined]
+    sys.unraisablehook = hook
+
+
 def _first_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0][:200]}" if text else type(e).__name__
@@ -130,13 +150,15 @@ class Checkpointer:
         it would only say so from a background thread).
       keep_last: keep the latest ``keep_last`` checkpoints.
       keep_every: also keep every checkpoint whose step is a multiple of this (0 = off).
+      keep_best: ``"validation_loss"``: also keep the checkpoint saved with the lowest ``metrics["validation_loss"]``
+        (orbax's BestN; a save without metrics is never the best); ``""`` = off.
       async_save: write array data in a background thread; ``save`` returns after the device-to-host copy, so the
         caller may donate / overwrite the saved arrays right away.
       read_only: for evaluation: never create the directory or remove anything in it.
     """
 
     def __init__(self, directory: str | os.PathLike[str], keep_last: int = 2, keep_every: int = 0,
-                 async_save: bool = True, read_only: bool = False) -> None:
+                 async_save: bool = True, read_only: bool = False, keep_best: str = "") -> None:
         if keep_last < 1:
             raise UserError(f"checkpoint.keep_last must be >= 1, got {keep_last}")
         if keep_every < 0:
@@ -145,12 +167,18 @@ class Checkpointer:
         keep: list[Any] = [policies.LatestN(n=keep_last)]
         if keep_every:
             keep.append(policies.EveryNSteps(interval_steps=keep_every))
+        if keep_best not in KEEP_BEST:
+            raise UserError(f"checkpoint.keep_best must be one of {KEEP_BEST}, got {keep_best!r}")
+        if keep_best:  # descending order, so the last one (the one kept) has the lowest loss
+            keep.append(policies.BestN(get_metric_fn=lambda m: m[keep_best], reverse=True, n=1,
+                                       keep_checkpoints_without_metrics=False))
         options = ocp.CheckpointManagerOptions(
             enable_async_checkpointing=async_save and not read_only,
             preservation_policy=policies.AnyPreservationPolicy(keep) if len(keep) > 1 else keep[0],
             cleanup_tmp_directories=not read_only,  # a save interrupted by SIGKILL leaves a tmp dir: drop it
             create=not read_only,
             read_only=read_only,
+            save_interval_steps=0 if read_only else 1,  # (orbax warns when it has to change it itself)
         )
         self.manager = ocp.CheckpointManager(self.directory, item_names=ITEMS, options=options)
         self._pending: int | None = None  # the step of an async save not yet known to be on disk
@@ -174,9 +202,10 @@ class Checkpointer:
         return meta
 
     # -- saving ------------------------------------------------------------------------------------------------
-    def save(self, step: int, state: dict, data_iter: grain.DatasetIterator, meta: dict[str, Any]) -> None:
+    def save(self, step: int, state: dict, data_iter: grain.DatasetIterator, meta: dict[str, Any],
+             metrics: dict[str, float] | None = None) -> None:
         """Saves all three items under ``step`` (forced: our loop decides when to save). ``meta`` gets the state's
-        checksums added. Raises CheckpointSaveError (after removing the temporary directory) if this save or the
+        checksums added; ``metrics`` (e.g. ``{"validation_loss": x}``) rank the step for ``keep_best``. Raises CheckpointSaveError (after removing the temporary directory) if this save or the
         previous asynchronous one failed."""
         self.check_saved()
         record = {**meta, "step": int(step), "checksums": leaf_checksums(state)}
@@ -184,7 +213,7 @@ class Checkpointer:
             self.manager.save(step, args=ocp.args.Composite(
                 state=ocp.args.StandardSave(state),
                 data=grain.checkpoint.CheckpointSave(data_iter),
-                meta=ocp.args.JsonSave(record)), force=True)
+                meta=ocp.args.JsonSave(record)), metrics=metrics, force=True)
         except Exception as e:  # noqa: BLE001 - disk full, permissions...: reported as one line by the caller
             self._failed(step, e)
         self._pending = step
@@ -260,6 +289,7 @@ class Checkpointer:
         ``jax.ShapeDtypeStruct`` with shardings: arrays come back already placed, resharded if the mesh changed)
         and verified against its stored checksums; if given, the data iterator is restored in place.
         Raises DamagedCheckpoint."""
+        _quiet_orphaned_reads()
         meta = self.read_meta(step)
         args = {"state": ocp.args.StandardRestore(target)}
         if data_iter is not None:

@@ -64,6 +64,10 @@ from coupled_qk_jax.training.writers import MetricsWriter, read_metrics, write_j
 _STOP_SIGNAL: list[int] = []
 
 
+# The loss each task's periodic evaluation reports: what checkpoint.keep_best=validation_loss ranks by.
+LOSS_METRIC = {"lm": "val_loss", "mqar": "valid/loss"}
+
+
 def stop_signal() -> int | None:
     """The number of the SIGINT/SIGTERM that asked this process to stop, or None. Drivers that run several trainings
     (experiments/sweep.py, main_job.py) exit 128 + it, as train.py does, so a script can tell stopped from finished."""
@@ -279,7 +283,7 @@ def setup(cfg: ml_collections.ConfigDict, workdir: str, cache: Any = None, *, re
     layout = run_lib.state_layout(mcfg, cfg.train, seeds, mesh)
     ck = cfg.checkpoint
     checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), int(ck.keep_last), int(ck.keep_every),
-                                bool(ck.async_save), read_only=read_only)
+                                bool(ck.async_save), read_only=read_only, keep_best=str(ck.get("keep_best", "")))
     return Setup(cfg, mcfg, mesh, cache, task, seeds, layout.graphdef, layout.abstract_state, layout.tx,
                  layout.shardings, layout.n_params, checkpointer)
 
@@ -429,7 +433,7 @@ def _restore_or_init(s: Setup, data_iter: Any, cfg: ml_collections.ConfigDict, w
                 print(f"warning: moved the damaged checkpoint step {step} to {dest}", file=sys.stderr, flush=True)
         ck = cfg.checkpoint
         s.checkpointer = Checkpointer(s.checkpointer.directory, int(ck.keep_last), int(ck.keep_every),
-                                      bool(ck.async_save))
+                                      bool(ck.async_save), keep_best=str(ck.get("keep_best", "")))
     if found is None:
         return s.init_state(), {}
     step, state, meta = found
@@ -500,10 +504,12 @@ def _train_locked(cfg: ml_collections.ConfigDict, workdir: str, progress: bool, 
     def save(at: int) -> None:
         nonlocal last_saved, t_saved
         # The open train-loss window travels with the checkpoint, so a resumed run logs the losses of an
-        # uninterrupted one.
+        # uninterrupted one. A step evaluated just now is ranked by its validation loss (checkpoint.keep_best; the
+        # mean over seeds).
+        metrics = ({"validation_loss": float(np.mean(val[LOSS_METRIC[s.task.name]]))} if val_at == at else None)
         s.checkpointer.save(at, state, data_iter, {
             "config": config_json, "data_fingerprint": fingerprint, "data_stream": stream,
-            "train_window": {"loss_sum": [float(x) for x in window_loss], "steps": window_n}})
+            "train_window": {"loss_sum": [float(x) for x in window_loss], "steps": window_n}}, metrics)
         last_saved, t_saved = at, time.monotonic()
 
     every_seconds = float(cfg.checkpoint.get("every_seconds", 0))
@@ -539,6 +545,7 @@ def _train_locked(cfg: ml_collections.ConfigDict, workdir: str, progress: bool, 
                   if logged else np.full(n_seeds, np.nan))
     train_seconds_before = float(logged[-1].get("train_seconds", 0.0)) if logged else 0.0
     val: dict[str, Any] = {}
+    val_at = -1  # the step val was computed at
     # train.early_stop: judged on the logged evaluations, so a resumed run first replays them (and a run that had
     # already stopped early trains no further).
     early = EarlyStop.from_config(cfg.train, n_seeds, tasks.METRIC_NAMES[s.task.name])
@@ -620,7 +627,7 @@ def _train_locked(cfg: ml_collections.ConfigDict, workdir: str, progress: bool, 
                 window_loss, window_n, t_window = np.zeros(n_seeds), 0, time.perf_counter()
             bar.update(1)
             if eval_now:
-                val = validate_now()
+                val, val_at = validate_now(), step
                 writer.write(step, per_seed(val, n_seeds))
                 t_window += time.perf_counter() - now  # the window's tokens/s counts training time only
                 if early is not None and early.update(step, val[early.metric]):

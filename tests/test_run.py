@@ -1,0 +1,374 @@
+"""Reading saved runs (training/run.py, issue 24): one loader for every reader, replicas, any mesh, runs written by
+an older version (tests/fixtures/run_v1, with that version's answers), stable export names, --step, keep_best.
+
+References: the fixture's expected values were computed by the code that wrote it (tests/fixtures/README.md); the
+2-seed run's by the training loop itself (its final params and whole-split evaluation); checkpoint contents by
+orbax's own reader; losses by a float64 numpy cross-entropy of the model's logits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import xla_flags
+from coupled_qk_jax import generate
+from coupled_qk_jax.config import ModelConfig
+from coupled_qk_jax.data.tokenizer import ByteTokenizer
+from coupled_qk_jax.errors import UserError
+from coupled_qk_jax.export import export_run, load_exported, write_export
+from coupled_qk_jax.model import TransformerLM
+from coupled_qk_jax.training import loop, rundir
+from coupled_qk_jax.training.checkpoint import Checkpointer
+from coupled_qk_jax.training.run import Run, parse_mesh
+from test_training import leaves_with_names, tiny_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FIXTURE = os.path.join(ROOT, "tests", "fixtures", "run_v1")
+EXPECTED = json.load(open(os.path.join(ROOT, "tests", "fixtures", "run_v1_expected.json"), encoding="utf-8"))
+KEEP_BEST_NOTE = "checkpoint.keep_best: not in this run, using default ''"
+
+
+def _cli(script: str, *args: str, devices: int = 1) -> subprocess.CompletedProcess:
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT, XLA_FLAGS=xla_flags(devices))
+    return subprocess.run([sys.executable, script, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+@pytest.fixture
+def fixture_run(tmp_path):
+    """A copy of the old-version run directory (readers write nothing there, but a test may edit or damage it)."""
+    dest = tmp_path / "run_v1"
+    shutil.copytree(FIXTURE, dest)
+    return dest
+
+
+def _greedy(model, tokenizer) -> list[list[int]]:
+    prompts = [np.asarray(p, np.int32) for p in EXPECTED["greedy"]["prompts"]]
+    out = generate.Generator(model, vocab_limit=tokenizer.vocab_size).generate(
+        prompts, EXPECTED["greedy"]["new_tokens"], generate.Sampling(temperature=0))
+    return [o.tolist() for o in out]
+
+
+def _tensor_sha256(directory) -> dict[str, str]:
+    from safetensors.numpy import load_file
+
+    return {k: hashlib.sha256(np.ascontiguousarray(v).tobytes()).hexdigest()
+            for k, v in load_file(str(directory / "model.safetensors")).items()}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# A run written by an older version (24.1, 24.4).
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def test_old_version_run_evaluates_samples_and_exports_bitwise_as_then(fixture_run, tmp_path):
+    run = Run.open(fixture_run)
+    assert run.notes == [KEEP_BEST_NOTE]  # the one field added since, at the default that means what the run did
+    assert run.steps == [3, 6] and run.num_replicas == 1 and run.seeds == [0] and run.tokenizer.kind == "byte"
+    assert run.fingerprint["tokenizer"]["kind"] == "byte"
+    for split in ("validation", "test"):
+        result = run.evaluate(split)
+        assert result["step"] == EXPECTED["step"]
+        assert {k: result[k] for k in ("loss", "ppl", "tokens")} == EXPECTED[split]
+    assert _greedy(run.model(), run.tokenizer) == EXPECTED["greedy"]["tokens"]
+    out = export_run(fixture_run, tmp_path / "exported")
+    assert _tensor_sha256(out) == {k: v["sha256"] for k, v in EXPECTED["export"].items()}
+    model, tokenizer, manifest = load_exported(out)
+    assert manifest["step"] == 6 and manifest["replica"] == 0 and manifest["seed"] == 0
+    assert _greedy(model, tokenizer) == EXPECTED["greedy"]["tokens"]
+
+
+def _edit_config(workdir, edit) -> None:
+    path = workdir / "config.json"
+    cfg = json.loads(path.read_text())
+    edit(cfg)
+    path.write_text(json.dumps(cfg))
+
+
+def test_removed_and_added_fields_follow_the_upgrade_table(fixture_run):
+    """A run from before model.coupling_lowering was removed and model.attention_chunks added: read with one note
+    each, and evaluated exactly as the run that has neither; a non-default removed value and a newer schema are one
+    line each. Resume compares the configs in the same schema."""
+    current = json.loads((fixture_run / "config.json").read_text())
+
+    def older(cfg):
+        cfg["model"]["coupling_lowering"] = "batched"
+        del cfg["model"]["attention_chunks"]
+
+    _edit_config(fixture_run, older)
+    run = Run.open(fixture_run)
+    assert run.notes == ["model.coupling_lowering: removed from this version; the run used its last default "
+                         "'batched', dropped",
+                         KEEP_BEST_NOTE, "model.attention_chunks: not in this run, using default 0"]
+    assert run.evaluate("validation")["loss"] == EXPECTED["validation"]["loss"]
+    saved = json.loads((fixture_run / "config.json").read_text())
+    assert rundir.resume_changes(saved, current, (), str(fixture_run)) == {}  # train.py would resume it
+
+    _edit_config(fixture_run, lambda cfg: cfg["model"].update(coupling_lowering="vmap"))
+    with pytest.raises(UserError, match=r"^model\.coupling_lowering='vmap': this run set a field that this version "
+                                        r"no longer has \(its last default was 'batched'\)"):
+        Run.open(fixture_run)
+    with pytest.raises(UserError, match="coupling_lowering='vmap'"):
+        rundir.resume_changes(json.loads((fixture_run / "config.json").read_text()), current, (), str(fixture_run))
+    _edit_config(fixture_run, lambda cfg: cfg.update(schema_version=rundir.SCHEMA_VERSION + 1))
+    with pytest.raises(UserError, match=r"schema version 3; this code reads up to 2: the run was written by a newer"):
+        Run.open(fixture_run)
+
+
+def test_new_runs_record_the_schema_version_and_resume_without_notes(two_seed):
+    cfg, workdir, _, _ = two_seed
+    saved = json.loads(open(os.path.join(workdir, "config.json")).read())
+    assert saved["schema_version"] == rundir.SCHEMA_VERSION
+    assert rundir.upgrade_config(saved) == (rundir.jsonable(cfg.to_dict()), [])
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Checkpoints by step (24.6) and what readers print (24.8).
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _orbax_params(step_dir) -> dict[str, np.ndarray]:
+    """The params of a checkpoint step read with orbax's own reader (no target, no checksums, host numpy)."""
+    import orbax.checkpoint as ocp
+
+    with ocp.StandardCheckpointer() as ck:
+        restored = ck.restore(os.path.join(step_dir, "state"))
+    return _by_name(restored["params"])
+
+
+def _by_name(tree) -> dict[str, np.ndarray]:
+    """``{"blocks.0.attn.wq": array}`` (orbax's reader gives list indices back as string keys)."""
+    return dict(zip(_names(tree), (np.asarray(x) for x in jax.tree.leaves(jax.device_get(tree)))))
+
+
+def _nll_reference(model, tokens: np.ndarray, eot: int, seq_len: int) -> float:
+    """Mean next-token NLL of ``[eot] + tokens`` in windows of seq_len, every token a target once, in float64."""
+    stream = np.concatenate([[eot], tokens]).astype(np.int32)
+    total, count = 0.0, 0
+    for start in range(0, len(stream) - 1, seq_len):
+        x, y = stream[start:start + seq_len], stream[start + 1:start + 1 + seq_len]
+        logits = np.asarray(model(x[None, :len(y)]), np.float64)[0]
+        logp = logits - logits.max(-1, keepdims=True)
+        logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+        total -= float(np.take_along_axis(logp, y[:, None], -1).sum())
+        count += len(y)
+    return total / count
+
+
+def test_step_picks_a_checkpoint(fixture_run):
+    run = Run.open(fixture_run, report=False)
+    old = _orbax_params(fixture_run / "checkpoints" / "3")
+    mine = _by_name(run.params(step=3))
+    assert mine.keys() == old.keys()
+    for k in old:
+        np.testing.assert_array_equal(mine[k], old[k], err_msg=k)
+    result = run.evaluate("validation", step=3)
+    reference = _nll_reference(run.model(step=3), np.asarray(run.data.tokens("validation")), run.data.eot_id, 32)
+    assert result["step"] == 3 and result["loss"] == pytest.approx(reference, rel=1e-5)
+    assert result["loss"] != EXPECTED["validation"]["loss"]  # another checkpoint than the newest
+    with pytest.raises(UserError, match=r"^--step=4: .*checkpoints has checkpoints at steps 3, 6$"):
+        run.state(4)
+
+
+def test_keep_best_keeps_the_lowest_validation_loss_besides_the_last(tmp_path):
+    import grain
+    import jax.numpy as jnp
+
+    ck = Checkpointer(tmp_path / "ck", keep_last=1, keep_best="validation_loss", async_save=False)
+    data_iter = iter(grain.MapDataset.range(10).to_iter_dataset())
+    for step, loss in zip((1, 2, 3, 4, 5), (3.0, 1.0, 2.0, 0.5, None)):
+        state = {"params": {"w": jnp.full(3, float(step))}, "step": jnp.asarray(step)}
+        ck.save(step, state, data_iter, {"config": {}}, None if loss is None else {"validation_loss": loss})
+    assert ck.all_steps() == [4, 5]  # step 4 the best, step 5 the last (saved without an evaluation)
+    ck.close()
+    plain = Checkpointer(tmp_path / "plain", keep_last=1, async_save=False)  # positive control: without it, one
+    for step in (1, 2):
+        plain.save(step, {"w": jnp.ones(2)}, data_iter, {"config": {}}, {"validation_loss": 3.0 - step})
+    assert plain.all_steps() == [2]
+    plain.close()
+    with pytest.raises(UserError, match="checkpoint.keep_best must be one of"):
+        Checkpointer(tmp_path / "bad", keep_best="val_ppl")
+
+
+def test_readers_print_one_line_per_damaged_step_and_no_library_warnings(fixture_run, tmp_path):
+    """eval.py, export.py and sample.py --exported through their CLIs: stdout says what they did, stderr holds the
+    upgrade note and, with the newest step damaged, exactly one warning line (orbax says nothing)."""
+    exported = tmp_path / "exported"
+    out = _cli("export.py", f"--workdir={fixture_run}", f"--out={exported}", "--step=6")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stderr.splitlines() == [f"note: {KEEP_BEST_NOTE}"]
+    assert out.stdout.splitlines() == [f"exported {fixture_run} -> {exported}"]
+    ids = ",".join(map(str, EXPECTED["greedy"]["prompts"][0]))
+    out = _cli("sample.py", f"--exported={exported}", f"--ids={ids}", "--temperature=0",
+               f"--max_new_tokens={EXPECTED['greedy']['new_tokens']}", "--nostop_at_eot")
+    assert out.returncode == 0 and out.stderr == "", out.stderr[-3000:]
+    text = ByteTokenizer().decode(np.asarray(EXPECTED["greedy"]["prompts"][0] + EXPECTED["greedy"]["tokens"][0]))
+    assert out.stdout.split("\n", 1)[1].rstrip("\n") == text
+
+    f = max((p for p in (fixture_run / "checkpoints" / "6" / "state" / "d").rglob("*") if p.is_file()),
+            key=lambda p: p.stat().st_size)
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2:len(data) // 2 + 4096] = np.random.default_rng(0).integers(0, 256, 4096, np.uint8).tobytes()
+    f.write_bytes(bytes(data))
+    out = _cli("eval.py", f"--workdir={fixture_run}", f"--out={tmp_path / 'eval'}")
+    assert out.returncode == 0, out.stderr[-3000:]
+    err = out.stderr.splitlines()
+    assert len(err) == 2 and err[0] == f"note: {KEEP_BEST_NOTE}", out.stderr[-3000:]
+    assert err[1].startswith(f"warning: checkpoint step 6 in {fixture_run / 'checkpoints'} is damaged (")
+    assert err[1].endswith("; trying step 3")
+    assert out.stdout.splitlines()[0].startswith("step 3 validation: loss ")
+    assert sorted(os.listdir(fixture_run / "checkpoints")) == ["3", "6"]  # readers move and delete nothing
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Seed replicas (24.2).
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def two_seed(tmp_path_factory):
+    """(cfg, workdir, summary, final state): 4 steps of a 2-seed run, evaluated at step 2 with keep_best on."""
+    tmp = tmp_path_factory.mktemp("two_seed")
+    cfg = tiny_config(tmp, steps=4, num_seeds=2, eval_every=2)
+    cfg.checkpoint.update(every=2, keep_last=1, keep_best="validation_loss", async_save=False)
+    workdir = str(tmp / "run")
+    summary, state = loop.train(cfg, workdir, progress=False, return_state=True)
+    return cfg, workdir, summary, state
+
+
+def test_keep_best_in_training_keeps_the_evaluated_step(two_seed):
+    _, workdir, _, _ = two_seed
+    # keep_last=1 alone would leave [4]; step 2 is the only step ranked by a periodic validation loss
+    assert Run.open(workdir).steps == [2, 4]
+
+
+def test_every_reader_takes_a_replica(two_seed, tmp_path):
+    cfg, workdir, summary, state = two_seed
+    run = Run.open(workdir, mesh="data:-1")  # the training's mesh: the training's evaluation order
+    assert run.num_replicas == 2 and run.seeds == [0, 1]
+    both = run.evaluate("validation")
+    assert both["loss/seeds"] == summary["val_loss/seeds"] and both["loss"] == summary["val_loss"]
+    assert both["loss/std"] == pytest.approx(float(np.std(summary["val_loss/seeds"], ddof=1)), rel=1e-12)
+    for r in (0, 1):
+        one = run.evaluate("validation", replica=r)
+        assert one["replica"] == r and one["seeds"] == [r] and "loss/seeds" not in one
+        assert one["loss"] == pytest.approx(summary["val_loss/seeds"][r], rel=1e-6)
+        trained = leaves_with_names(loop.seed_slice(state["params"], r))
+        out = export_run(workdir, tmp_path / f"replica{r}", replica=r)
+        model, _, manifest = load_exported(out)
+        exported = leaves_with_names(nnx.to_pure_dict(nnx.state(model)))
+        assert manifest["replica"] == r and manifest["seed"] == r and exported.keys() == trained.keys()
+        for k in trained:
+            np.testing.assert_array_equal(np.asarray(exported[k]), trained[k], err_msg=k)
+    with pytest.raises(UserError, match=r"^--replica=2: the run has 2 seed replica\(s\), 0\.\.1 \(seeds \[0, 1\]\)$"):
+        export_run(workdir, tmp_path / "nope", replica=2)
+    assert not (tmp_path / "nope").exists()
+
+    from coupled_qk_jax.diagnostics_report import compute_diagnostics, report_from_checkpoint
+
+    rep = report_from_checkpoint(run, "validation", windows=4, out_dir=tmp_path / "diag", replica=1)
+    assert rep["replica"] == 1 and rep["files"]["json"].endswith("diagnostics_validation_step4_replica1.json")
+    saved_rank = json.loads(open(rep["files"]["json"]).read())["model_mean"]["effective_rank"]
+    direct = compute_diagnostics(nnx.merge(run.graphdef, loop.seed_slice(state["params"], 1)),
+                                 _first_windows(run, 4))
+    assert saved_rank == pytest.approx(direct["model_mean"]["effective_rank"], rel=1e-6)
+
+
+def _first_windows(run, n):
+    from coupled_qk_jax.data.pipeline import eval_batches
+
+    batch = next(iter(eval_batches(run.data.tokens("validation"), 32, n, bos_id=run.data.eot_id)))
+    return batch["inputs"][(batch["targets"] != -100).all(axis=1)]
+
+
+def test_eval_cli_prints_a_row_per_replica(two_seed, tmp_path):
+    _, workdir, summary, _ = two_seed
+    out = _cli("eval.py", f"--workdir={workdir}", f"--out={tmp_path}", "--replica=all", "--step=2")
+    assert out.returncode == 0 and out.stderr == "", out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("step 2 validation, 2 replicas over ") and lines[1].split() == [
+        "replica", "seed", "loss", "ppl"]
+    rows = [line.split() for line in lines[2:4]]
+    assert [r[:2] for r in rows] == [["0", "0"], ["1", "1"]]
+    result = json.loads(open(tmp_path / "eval_validation_step2.json").read())
+    assert [float(r[2]) for r in rows] == [round(x, 4) for x in result["loss/seeds"]]
+    assert lines[4].split()[:5] == ["mean", "±", "std", f"{result['loss']:.4f}", "±"]
+    bad = _cli("eval.py", f"--workdir={workdir}", "--replica=x")
+    assert bad.returncode == 2 and bad.stderr.splitlines() == [
+        "error: --replica=x: expected a replica index 0, 1, ... or all"]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Any machine (24.3): a subprocess with 8 devices (tests/scripts/run_portability.py).
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def test_runs_trained_on_8_devices_read_alike_on_1_and_2(tmp_path):
+    out = _cli(os.path.join("tests", "scripts", "run_portability.py"), str(tmp_path), devices=8)
+    assert out.returncode == 0, out.stderr[-4000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert set(report) == {"data8", "fsdp4_tensor2"}
+
+
+def test_parse_mesh():
+    assert parse_mesh("data:2") == {"data": 2, "fsdp": 1, "tensor": 1}
+    assert parse_mesh("fsdp:4, tensor:2") == {"data": 1, "fsdp": 4, "tensor": 2}
+    for bad in ("data=2", "pipeline:2", "data:0", "data:x"):
+        with pytest.raises(UserError, match=r"expected AXIS:SIZE pairs"):
+            parse_mesh(bad)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Stable export names (24.5).
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def test_export_names_are_per_layer_whatever_the_layout(tmp_path):
+    """A scanned model exports the unscanned model's names; the folder loads back bitwise as scanned (its config)
+    and, with the config switched, as the unscanned model with each layer's slice."""
+    mcfg = ModelConfig(variant="coupled_euler", vocab_size=257, max_len=16, d_model=16, n_layers=3, n_heads=2,
+                       d_ff=32, coupling_hidden=4, scan_layers=True)
+    scanned = leaves_with_names(nnx.to_pure_dict(nnx.state(TransformerLM(mcfg, 0))))
+    unscanned_names = set(_names(nnx.to_pure_dict(nnx.state(nnx.eval_shape(
+        lambda: TransformerLM(dataclasses.replace(mcfg, scan_layers=False), 0))))))
+    params = nnx.to_pure_dict(nnx.state(TransformerLM(mcfg, 0)))
+    out = write_export(tmp_path / "scanned", params, {"model": dataclasses.asdict(mcfg)}, ByteTokenizer(), step=1)
+    from safetensors.numpy import load_file
+
+    tensors = load_file(str(out / "model.safetensors"))
+    assert set(tensors) == unscanned_names and "blocks.2.attn.wq" in tensors
+    np.testing.assert_array_equal(tensors["blocks.1.attn.wq"], scanned["['blocks']['attn']['wq']"][1])
+    model, _, _ = load_exported(out)
+    back = leaves_with_names(nnx.to_pure_dict(nnx.state(model)))
+    assert back.keys() == scanned.keys()
+    for k in scanned:
+        np.testing.assert_array_equal(np.asarray(back[k]), scanned[k], err_msg=k)
+
+    config = json.loads((out / "config.json").read_text())
+    config["model"]["scan_layers"] = False
+    (out / "config.json").write_text(json.dumps(config))
+    manifest = json.loads((out / "export.json").read_text())
+    manifest["sha256"]["config.json"] = hashlib.sha256((out / "config.json").read_bytes()).hexdigest()
+    (out / "export.json").write_text(json.dumps(manifest))
+    per_layer, _, _ = load_exported(out)
+    flat = leaves_with_names(nnx.to_pure_dict(nnx.state(per_layer)))
+    for i in range(3):
+        np.testing.assert_array_equal(np.asarray(flat[f"['blocks'][{i}]['attn']['wq']"]),
+                                      scanned["['blocks']['attn']['wq']"][i])
+
+
+def _names(tree) -> list[str]:
+    return [".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in p)
+            for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
