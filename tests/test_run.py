@@ -372,3 +372,21 @@ def _names(tree) -> list[str]:
     return [".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in p)
             for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# A finished run rerun (24.8).
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def test_rerunning_a_finished_run_is_a_no_op_that_says_so(two_seed, capfd):
+    cfg, workdir, summary, _ = two_seed
+    metrics = open(os.path.join(workdir, "metrics.jsonl")).read()
+    assert metrics.count('"val_loss"') == 2  # the periodic evaluation at step 2 and the final one
+    capfd.readouterr()
+    again = loop.train(cfg, workdir, progress=False)
+    out = capfd.readouterr().out
+    assert f"{workdir} already finished at step 4 (summary.json); nothing to do" in out
+    assert again == json.loads(open(os.path.join(workdir, "summary.json")).read())
+    assert again["val_loss"] == summary["val_loss"]
+    assert open(os.path.join(workdir, "metrics.jsonl")).read() == metrics  # no second final row

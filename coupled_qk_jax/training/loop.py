@@ -483,6 +483,14 @@ def _train_locked(cfg: ml_collections.ConfigDict, workdir: str, progress: bool, 
         s.checkpointer.close()
         raise
     step = int(np.asarray(state["step"]).reshape(-1)[0])
+    finished = rundir.read_json(os.path.join(workdir, "summary.json")) if s.latest is not None else None
+    if finished is not None and finished.get("status") == "completed" and finished.get("step") == step \
+            and not changes:
+        # Nothing to train and the end already evaluated and logged: a rerun must not add a second final row.
+        s.checkpointer.close()
+        if main:
+            print(f"{workdir} already finished at step {step} (summary.json); nothing to do", flush=True)
+        return (finished, host_params(state)) if return_state else finished
     last_saved = s.latest
     writer = MetricsWriter(workdir, resume_step=step, seeds=s.seeds)
     train_step = make_sharded_train_step(s)

@@ -162,6 +162,8 @@ def config_differences(old: dict[str, Any], new: dict[str, Any]) -> dict[str, tu
     """``{field: (old, new)}`` of every leaf field that differs (a missing field reads as "<absent>"; a field of
     :data:`ADDED_FIELDS` missing from ``old`` reads as its value there)."""
     a, b = flatten(jsonable(old)), flatten(jsonable(new))
+    a.pop(SCHEMA_KEY, None)  # which schema wrote a config is not one of its fields
+    b.pop(SCHEMA_KEY, None)
     for k, v in ADDED_FIELDS.items():
         if k not in a and k in b:
             a[k] = v
