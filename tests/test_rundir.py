@@ -57,7 +57,7 @@ def test_run_directory_holds_config_data_and_tokens(base):
     root, summary, _ = base
     wd = root / "run"
     saved = json.loads((wd / "config.json").read_text())
-    assert saved == rundir.jsonable(_config(root).to_dict())  # every field, defaults included
+    assert saved == rundir.config_with_schema(_config(root).to_dict())  # every field, defaults included, and the schema
     fp = json.loads((wd / "data.json").read_text())
     corpus = root / "corpus"
     files = {f[0]: f for f in fp["sources"]["files"]}
