@@ -106,7 +106,8 @@ def test_accuracy_counts_only_labelled_positions(trained):
     from coupled_qk_jax.training.run import Run
 
     run = Run.open(workdir, config=cfg)
-    batch = run.task().test[0]
+    task = run.task()
+    batch = task.test[0]
     params0 = loop.host_params(run.params(replica=0))
     preds = _logits(cfg, params0, batch["inputs"]).argmax(-1)
     labels = np.full_like(batch["labels"], -100)
@@ -116,7 +117,8 @@ def test_accuracy_counts_only_labelled_positions(trained):
         j = e % 5
         labels[e, asked] = np.where(np.arange(len(asked)) < j, preds[e, asked], (preds[e, asked] + 1) % 512)
         hand.append(j / len(asked))
-    s.task.test = [{**batch, "labels": labels}]
-    out = loop.make_evaluator(s)(state["params"])
+    task.test = [{**batch, "labels": labels}]
+    out = task.make_evaluator(run.graphdef, run.layout.shardings["params"], run.mesh, run.num_replicas)(
+        run.params(replica=None))
     assert out["valid/accuracy"][0] == pytest.approx(np.mean(hand), abs=1e-9)
     assert out["valid/examples"] == 40  # the padding rows of the batch are not examples
