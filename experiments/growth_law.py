@@ -68,7 +68,7 @@ def ode_rows(path: str) -> list[dict]:
 
 
 def curve_rows(runs_dir: str) -> list[dict]:
-    """One row per cell with curves: seed mean ± std of the last-decade slopes of ‖OV‖ and ‖QK‖, in both units."""
+    """One row per cell with curves: seed mean ± std of the last-decade slopes of ‖OV‖, ‖QK‖ in both units."""
     rows = []
     for cell_dir in sorted(glob.glob(os.path.join(runs_dir, "*", ""))):
         files = sorted(glob.glob(os.path.join(cell_dir, "seed*_curves.csv")))
@@ -81,7 +81,7 @@ def curve_rows(runs_dir: str) -> list[dict]:
             with open(path, newline="") as f:
                 c = [r for r in csv.DictReader(f) if float(r["step"]) > 0]
             step = np.array([float(r["step"]) for r in c])
-            norms = {"ov": np.array([float(r["ov_norm"]) for r in c]), "qk": np.array([float(r["qk_norm"]) for r in c])}
+            norms = {k: np.array([float(r[f"{k}_norm"]) for r in c]) for k in ("ov", "qk")}
             for unit, t in (("gf", cfg["lr_ov"] * step), ("steps", step)):
                 keep = t > 1
                 for k, mu in norms.items():
@@ -102,8 +102,9 @@ def markdown(ode: list[dict], curves: list[dict], ode_path: str, runs_dir: str) 
              f"`{ode_path}` and `{runs_dir}/*/seed*_curves.csv` (nothing trained). p = least-squares slope of log μ "
              "against log log t over a decade of t; the paper's law gives p = 1 for OV and p = 2 for QK.", "",
              "## The reduced gradient-flow ODE (ode.csv)", "",
-             "| ratio η_QK/η_OV | t (first .. last readout) | α (first .. last) | p OV, first decade | p OV, last decade "
-             "| p QK, first decade | p QK, last decade |", "| --- | --- | --- | --- | --- | --- | --- |"]
+             "| ratio η_QK/η_OV | t (first .. last readout) | α (first .. last) | p OV, first decade "
+             "| p OV, last decade | p QK, first decade | p QK, last decade |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
     for r in ode:
         lines.append(f"| {r['ratio']:g} | {r['t'][0]:.3g} .. {r['t'][1]:.3g} | {r['alpha'][0]:.3f} .. "
                      f"{r['alpha'][1]:.3f} | {r['ov'][0]:.2f} | **{r['ov'][1]:.2f}** | {r['qk'][0]:.2f} | "
@@ -111,8 +112,9 @@ def markdown(ode: list[dict], curves: list[dict], ode_path: str, runs_dir: str) 
     lines += ["", "## The SGD runs at the paper's budgets (per-epoch circuit norms)", "",
               "Last decade of t; seed mean ± sample std. 'gf': t = lr_OV · step (lr_OV = 0.01 in every cell); "
               "'steps': t = step.", "",
-              "| cell | parametrisation, init | QK rate | steps | seeds | ‖QK‖ end | ‖OV‖ end | p OV (gf) | p QK (gf) "
-              "| p OV (steps) | p QK (steps) |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+              "| cell | parametrisation, init | QK rate | steps | seeds | ‖QK‖ end | ‖OV‖ end | p OV (gf) "
+              "| p QK (gf) | p OV (steps) | p QK (steps) |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in curves:
         rate = f"×{r['ratio']:g}" + (" ramp" if r["schedule"] != "constant" else "")
         lines.append(f"| {r['cell']} | {r['param']}, {r['init']} | {rate} | {r['steps']:,} | {r['seeds']} | "

@@ -220,3 +220,11 @@ def test_a_cell_resumes_under_another_stopping_rule_but_not_another_setting(tmp_
     (done / "summary.json").write_text(json.dumps({"status": "completed"}))
     assert sweep._find_reusable(new, [tmp_path / "reuse"]) == done
     assert sweep._find_reusable(old, [tmp_path / "reuse"]) is None
+
+
+def test_run_commits_keep_the_dirty_mark():
+    head = "08cf6b069bfb" + "a" * 28
+    history = "\n".join(json.dumps(e) for e in [
+        {"event": "start", "commit": head + "+dirty"}, {"event": "save", "commit": "ffff"},
+        {"event": "resume", "commit": head}, {"event": "resume"}])
+    assert sweep.run_commits(history) == ["08cf6b069bfb", "08cf6b069bfb+dirty", "not recorded"]
