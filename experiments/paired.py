@@ -59,11 +59,17 @@ def seed_values(ref: str, metric: str = "val_ppl") -> list[float]:
     return [float(d["model_mean"][metric]) for d in diags]
 
 
-def paired_table(a_ref: str, b_ref: str, metric: str = "val_ppl") -> str:
-    """Markdown: per-seed values of A and B, B's change against A per seed (%), mean ± std, 95% t interval."""
+def paired_table(a_ref: str, b_ref: str, metric: str = "val_ppl", first: int = 0) -> str:
+    """Markdown: per-seed values of A and B, B's change against A per seed (%), mean ± std, 95% t interval.
+    ``first = N`` pairs seeds 0..N-1 of both cells (e.g. a 3-seed run against a 5-seed one)."""
     a, b = seed_values(a_ref, metric), seed_values(b_ref, metric)
+    if first:
+        if first > min(len(a), len(b)):
+            raise UserError(f"--first {first}: {a_ref} has {len(a)} seeds and {b_ref} has {len(b)}")
+        a, b = a[:first], b[:first]
     if len(a) != len(b):
-        raise UserError(f"{a_ref} has {len(a)} seeds and {b_ref} has {len(b)}; pairing needs the same seeds")
+        raise UserError(f"{a_ref} has {len(a)} seeds and {b_ref} has {len(b)}; pairing needs the same seeds "
+                        f"(--first N pairs the first N of both)")
     rel = [100.0 * (y / x - 1.0) for x, y in zip(a, b)]
     mean, std = mean_std(rel)
     lo, hi = reports.t_interval(rel)
@@ -82,8 +88,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("b", help="the compared cell, RESULTS_CSV:RUN")
     p.add_argument("--metric", default="val_ppl",
                    help="val_ppl (default) or an attention diagnostic's key, e.g. effective_rank (runs/<cell>.json)")
+    p.add_argument("--first", type=int, default=0, help="pair only seeds 0..N-1 of both cells")
     args = p.parse_args(argv)
-    code = cli.run_guarded(lambda: print(paired_table(args.a, args.b, args.metric)))
+    code = cli.run_guarded(lambda: print(paired_table(args.a, args.b, args.metric, args.first)))
     if code:
         raise SystemExit(code)
 

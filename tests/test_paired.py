@@ -63,3 +63,14 @@ def test_pairs_a_diagnostic_from_the_run_jsons(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         paired.main(["--metric", "effective_rank", f"{table}:standard", f"{table}:coupled_euler"])
     assert e.value.code == 2 and "no per-seed diagnostics of 'standard' were committed" in capsys.readouterr().err
+
+
+def test_first_n_seeds_pair_a_shorter_run(tmp_path):
+    a = _table(tmp_path / "a.csv",
+               [{"run": "x", "variant": "coupled_euler", "val_ppl_seeds": "100.0 50.0 20.0 9.0 7.0"}])
+    b = _table(tmp_path / "b.csv", [{"run": "y", "variant": "coupled_leapfrog", "val_ppl_seeds": "101.0 51.5 21.0"}])
+    text = paired.paired_table(f"{a}:x", f"{b}:y", first=3)
+    half = T_975_DF2 * 2.0 / 3 ** 0.5
+    assert f"mean +3.00%, sample std 2.00%, 95% paired-t interval [{3 - half:+.2f}, {3 + half:+.2f}] (3 seeds)" in text
+    with pytest.raises(UserError, match="--first 4: .* has 5 seeds and .* has 3"):
+        paired.paired_table(f"{a}:x", f"{b}:y", first=4)
