@@ -35,7 +35,6 @@ def exported_train_step(variant: str, platform: str) -> export.Exported:
     return export.export(step, platforms=(platform,))(state, batch, jax.eval_shape(lambda: jax.random.key(0)))
 
 
-@pytest.mark.export
 @pytest.mark.parametrize("platform", ["tpu", "cuda"])
 def test_train_step_exports_for_every_variant(platform):
     for variant in ALL_VARIANTS:

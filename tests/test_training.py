@@ -1,4 +1,4 @@
-"""Training loop, optimiser, checkpoints and evaluation (in-process, on conftest's 8 CPU devices).
+"""Training loop, optimiser, checkpoints and evaluation (in-process, on one CPU device; the mesh test in conftest's 8-device subprocess).
 
 Every test uses a tiny model (d_model 32, 2 layers, T 32) and the byte tokenizer on a text_dir corpus written into
 tmp_path, so nothing needs a download or BPE training.
@@ -155,6 +155,9 @@ def test_bad_input_errors(tmp_path):
     with pytest.raises(ValueError, match=r"the train split of .* has 0 token\(s\), fewer than the 33"):
         loop.train(cfg, str(tmp_path / "g"), progress=False)
 
+
+@pytest.mark.mesh
+def test_batch_that_does_not_split_over_the_mesh_is_refused(tmp_path):
     cfg = tiny_config(tmp_path, batch_size=4)  # 4 rows cannot split over 8 data-parallel devices
     with pytest.raises(ValueError, match="not divisible by the 8 data-parallel devices"):
         loop.train(cfg, str(tmp_path / "e"), progress=False)
