@@ -28,6 +28,7 @@ from coupled_qk_jax import sharding as shd
 from coupled_qk_jax.config import ALL_VARIANTS, ModelConfig
 from coupled_qk_jax.model import REMAT_POLICIES, Block, TransformerLM, _run_block_output, to_scanned, to_unscanned
 from coupled_qk_jax.training import steps
+from coupled_qk_jax.training.checkpoint import abstract_target
 
 TINY = dict(vocab_size=64, max_len=16, d_model=32, n_layers=2, n_heads=4, d_ff=64, coupling_hidden=8,
             affine_hidden=8)
@@ -215,8 +216,9 @@ def test_orbax_resume_on_a_different_mesh(tmp_path):
 
     mesh_a = mesh_of((8, 1, 1))
     sh_a = shd.train_state_shardings(model, tx, host_state, mesh_a)
-    step = shd.jit_train_step(steps.make_train_step(graphdef, tx), sh_a, mesh_a)
-    state, metrics = step(jax.device_put(host_state, sh_a), shd.global_batch(batch, mesh_a), jax.random.key(0))
+    train_step = steps.make_train_step(graphdef, tx)
+    step = shd.jit_sharded(lambda s, b: train_step(s, b, jax.random.key(0)), mesh_a, sh_a, donate=True)
+    state, metrics = step(jax.device_put(host_state, sh_a), shd.global_batch(batch, mesh_a))
     assert int(state["step"]) == 1 and np.isfinite(float(metrics["loss"]))
     saved = jax.tree.map(np.asarray, state)
 
@@ -229,7 +231,7 @@ def test_orbax_resume_on_a_different_mesh(tmp_path):
     sh_b = shd.train_state_shardings(model, tx, host_state, mesh_b)
     with ocp.CheckpointManager(directory) as mngr:
         assert mngr.latest_step() == 1
-        restored = mngr.restore(1, args=ocp.args.StandardRestore(shd.abstract_state(host_state, sh_b)))
+        restored = mngr.restore(1, args=ocp.args.StandardRestore(abstract_target(host_state, sh_b)))
 
     jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, restored), saved)
     for arr, want in zip(jax.tree.leaves(restored), jax.tree.leaves(sh_b)):
