@@ -212,7 +212,7 @@ class DataConfig(_Block):
     cache_dir: str = "~/.cache/coupled_qk_jax"  # token cache root (tokenised once, reused across runs)
     tokenizer: str = "bpe"  # bpe (trained on the train split, vocab = model.vocab_size) | byte (vocab 257)
     tokenizer_path: str = ""  # an existing BPE tokenizer.json to use instead of training one
-    seq_len: int = 256
+    seq_len: int = 128  # ModelConfig.max_len's default
     num_threads: int = 2  # grain read threads for the training iterator
 
     def __post_init__(self) -> None:
@@ -256,7 +256,7 @@ class CheckpointConfig(_Block):
     every: int = 250  # save every N steps (and always at the end, on SIGINT/SIGTERM)
     # Also save when this many seconds passed since the last save (0 = off). Judged at the steps that already wait
     # for the device (log lines; every 100 steps without them), so several processes agree with one broadcast.
-    every_seconds: float = 600
+    every_seconds: float = 600.0
     keep_last: int = 2  # keep the latest k checkpoints
     keep_every: int = 0  # also keep every N-th step permanently (0 = off)
     async_save: bool = True

@@ -54,7 +54,7 @@ from coupled_qk_jax.errors import UserError
 from coupled_qk_jax.model import TransformerLM
 from coupled_qk_jax.training import observe
 from coupled_qk_jax.training import optimizer as opt_lib
-from coupled_qk_jax.training import rundir, tasks
+from coupled_qk_jax.training import loop_parts, rundir, tasks
 from coupled_qk_jax.training.checkpoint import Checkpointer, abstract_target
 from coupled_qk_jax.training.config import RunConfig
 from coupled_qk_jax.training.early_stop import EarlyStop
@@ -555,7 +555,8 @@ def _train_locked(run: RunConfig, config_json: dict[str, Any], workdir: str, pro
     status = "completed" if stop_at == train.steps or (early is not None and early.done) else "stopped"
 
     cadence = Cadence(train.steps, train.log_every, train.eval_every)
-    saves = SavePolicy(run.checkpoint.every, run.checkpoint.every_seconds, stop_at, cadence, time.monotonic())
+    saves = SavePolicy(run.checkpoint.every, run.checkpoint.every_seconds, stop_at, cadence, time.monotonic(),
+                       agree=loop_parts.agree_across_processes)
     window = LossWindow.from_meta(meta, n_seeds)
     train_loss, seconds_before = _logged_before(workdir, n_seeds)
     meter = ThroughputMeter(seconds_before, time.perf_counter())

@@ -20,7 +20,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
+import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 # Without log lines (train.log_every = 0) the loop still waits for the device, reads the save clock and checks
 # the losses every this many steps.
@@ -96,12 +98,8 @@ def first_nonfinite(metrics: list[dict[str, Any]]) -> int | None:
 
 def agree_across_processes(flag: bool) -> bool:
     """Process 0's ``flag`` on every process (one broadcast when there are several; ``flag`` itself with one)."""
-    import jax  # noqa: PLC0415 - only a multi-process run needs it here
-
     if jax.process_count() == 1:
         return flag
-    from jax.experimental import multihost_utils  # noqa: PLC0415
-
     return bool(multihost_utils.broadcast_one_to_all(np.asarray(flag)))
 
 
@@ -112,7 +110,7 @@ class SavePolicy:
     processes whose clocks differ still save at the same step."""
 
     def __init__(self, every: int, every_seconds: float, stop_at: int, cadence: Cadence, now: float,
-                 agree: Callable[[bool], bool] = agree_across_processes) -> None:
+                 agree: Callable[[bool], bool]) -> None:
         self.every, self.every_seconds, self.stop_at, self.cadence = every, every_seconds, stop_at, cadence
         self.agree = agree
         self.saved_at = now  # time.monotonic() of the last save
