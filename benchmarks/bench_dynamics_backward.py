@@ -68,7 +68,9 @@ def layer_case(dtype, dt: float, seed: int = 0):
     keys = jax.random.split(jax.random.key(seed), 4)
     q = jax.random.normal(keys[0], (b, t, h, d)).astype(dtype)
     k = jax.random.normal(keys[1], (b, t, h, d)).astype(dtype)
-    params = dynamics.init_coupling_params(keys[2], d, hidden, zero_output=False)
+    k1, k2 = jax.random.split(keys[2])
+    params = {"w1": jax.random.normal(k1, (d, hidden)) / jnp.sqrt(d), "b1": jnp.zeros(hidden),
+              "w2": jax.random.normal(k2, (hidden, d)) / jnp.sqrt(hidden), "b2": jnp.zeros(d)}
     params = jax.tree.map(lambda a: a.astype(dtype), params)
     dt = jnp.full((h, 1), dt, jnp.float32)
     return q, k, dt, functools.partial(dynamics.coupling_mlp, params), params

@@ -165,9 +165,12 @@ def test_evolve_heads_stays_on_its_heads(method):
     mesh = mesh_of((2, 1, 4))
     qk_sh = NamedSharding(mesh, P("data", None, "tensor", None))
     b, t, h, d = 4, 8, 4, 8
-    params = dynamics.init_coupling_params(jax.random.key(0), d, 8, zero_output=False)
+    rng = np.random.default_rng(0)
+    params = {"w1": rng.normal(size=(d, 8)), "b1": rng.normal(size=8), "w2": rng.normal(size=(8, d)),
+              "b2": rng.normal(size=d)}
+    params = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), params)
     p_sh = jax.tree.map(lambda _: shd.replicated(mesh), params)
-    fn = jax.jit(lambda q, k, dt, p: dynamics.evolve_heads(q, k, dt, p, 2, method),
+    fn = jax.jit(lambda q, k, dt, p: dynamics.evolve_heads_batched(q, k, dt, p, 2, method),
                  in_shardings=(qk_sh, qk_sh, NamedSharding(mesh, P("tensor")), p_sh), out_shardings=(qk_sh, qk_sh))
     q = jnp.ones((b, t, h, d))
     hlo = fn.lower(q, q, jnp.ones(h), params).compile().as_text()
