@@ -246,6 +246,33 @@ def test_orbax_resume_on_a_different_mesh(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------------ validation
+def test_seed_axis_batches_and_the_sharded_jit():
+    """A seed-parallel run's [S, B, T] batch: S replicated, each seed's rows on the devices that hold those rows of
+    a single run's [B, T] batch; jit_sharded with seed_axis and donate returns the state in its shardings and the
+    metrics replicated, with numpy's values."""
+    mesh = mesh_of((2, 2, 2))
+    x = np.arange(3 * 8 * 4, dtype=np.int32).reshape(3, 8, 4)
+    seeds = shd.global_batch({"inputs": x}, mesh, seed_axis=True)["inputs"]
+    single = shd.global_batch({"inputs": x[1]}, mesh)["inputs"]
+    assert seeds.shape == (3, 8, 4) and seeds.sharding.spec == P(None, ("data", "fsdp"), None)
+    np.testing.assert_array_equal(np.asarray(seeds), x)
+    rows = {d: idx[1] for d, idx in seeds.sharding.devices_indices_map(seeds.shape).items()}
+    assert rows == {d: idx[0] for d, idx in single.sharding.devices_indices_map(single.shape).items()}
+    assert {s.data.shape for s in seeds.addressable_shards} == {(3, 2, 4)}  # every seed's rows, 8 / (data*fsdp)
+
+    state_sh = NamedSharding(mesh, P(None, "tensor"))
+    state = jax.device_put(np.ones((3, 4), np.float32), state_sh)
+    step = shd.jit_sharded(lambda s, b: (s + jnp.sum(b["inputs"], axis=1).astype(jnp.float32),
+                                         {"total": jnp.sum(b["inputs"])}), mesh, state_sh, seed_axis=True, donate=True)
+    new, metrics = step(state, {"inputs": seeds})
+    assert new.sharding.is_equivalent_to(state_sh, 2) and metrics["total"].sharding.is_fully_replicated
+    np.testing.assert_array_equal(np.asarray(new), 1 + x.sum(axis=1))
+    assert int(metrics["total"]) == int(x.sum())
+    evaluate = shd.jit_sharded(lambda p, b: jnp.sum(b["inputs"]) * p, mesh, shd.replicated(mesh))  # no seed axis
+    out = evaluate(jnp.float32(2.0), {"inputs": single})
+    assert out.sharding.is_fully_replicated and float(out) == 2.0 * x[1].sum()
+
+
 def test_mesh_shape_fill_and_errors():
     assert shd.mesh_shape({"data": -1, "fsdp": 1, "tensor": 1}, 8) == (8, 1, 1)
     assert shd.mesh_shape({"data": 1, "fsdp": -1, "tensor": 2}, 8) == (1, 4, 2)

@@ -107,11 +107,11 @@ def configdict(instance: Any) -> ml_collections.ConfigDict:
     return out
 
 
-def _at_least(block: str, instance: Any, minimum: int, names: tuple[str, ...], note: str = "") -> None:
+def _at_least(block: str, instance: Any, minimum: int, names: tuple[str, ...]) -> None:
     for name in names:
         value = getattr(instance, name)
         if value < minimum:
-            raise UserError(f"{block}.{name} must be >= {minimum}{note}, got {value}")
+            raise UserError(f"{block}.{name} must be >= {minimum}, got {value}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -338,8 +338,6 @@ class RunConfig:
                                 f"{', '.join(known)}")
         try:
             model = ModelConfig.from_dict(values.get("model", {}))
-        except UserError:
-            raise
         except ValueError as e:  # raised only by ModelConfig's own field checks
             raise UserError(str(e)) from None
         blocks = {name: kind.from_dict(values[name]) for name, kind in BLOCKS.items() if name in values}

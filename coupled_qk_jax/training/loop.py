@@ -489,6 +489,15 @@ def _sync(s: Setup, pending: list[dict[str, Any]], step: int, window: LossWindow
     return host[-1] if host else {}
 
 
+def _evaluate(evaluator: tasks.Evaluator, state: dict, max_batches: int, meter: ThroughputMeter) -> dict[str, Any]:
+    """The evaluator's metrics of the current params (the first ``max_batches`` batches, 0 = all); its time is
+    not training time."""
+    t0 = time.perf_counter()
+    out = evaluator(state["params"], max_batches=max_batches)
+    meter.evaluated(time.perf_counter() - t0)
+    return out
+
+
 def _log_row(s: Setup, step: int, window: LossWindow, last: dict[str, Any], meter: ThroughputMeter,
              now: float) -> dict[str, Any]:
     """One metrics.jsonl training line: the window's mean loss, the last step's norms and learning rate, the
@@ -595,9 +604,7 @@ def _train_locked(run: RunConfig, config_json: dict[str, Any], workdir: str, pro
                 meter.new_window(time.perf_counter())
             bar.update(1)
             if eval_now:
-                t0 = time.perf_counter()
-                val = evaluator(state["params"], max_batches=train.eval_batches)
-                meter.evaluated(time.perf_counter() - t0)
+                val = _evaluate(evaluator, state, train.eval_batches, meter)
                 writer.write(step, per_seed(val, n_seeds))
                 if early is not None and early.update(step, val[early.metric]):
                     status, save_now = "completed", True  # the end of learning: this step is the run's last
@@ -616,9 +623,7 @@ def _train_locked(run: RunConfig, config_json: dict[str, Any], workdir: str, pro
         if not train.log_every or window.steps:  # steps since the last log line (or logging off): report them
             train_loss = window.mean() if window.steps else train_loss
         if status != "interrupted":
-            t0 = time.perf_counter()
-            val = evaluator(state["params"], max_batches=0)  # the final evaluation scores every example
-            meter.evaluated(time.perf_counter() - t0)
+            val = _evaluate(evaluator, state, 0, meter)  # the final evaluation scores every example
             if status == "completed":  # a stopped run continues later: its log must read as one uninterrupted run
                 writer.write(step, per_seed(val, n_seeds))
     finally:
