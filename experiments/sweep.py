@@ -59,6 +59,7 @@ import ml_collections
 from coupled_qk_jax.errors import UserError
 from coupled_qk_jax.reporting import log
 from coupled_qk_jax.training import rundir
+from coupled_qk_jax.training.config import DataConfig
 from experiments import reports
 from experiments.corpora_prep import heterogeneous_corpus
 
@@ -507,7 +508,7 @@ def main(argv: list[str] | None = None) -> None:
         runs = [dataclasses.replace(r, config={**r.config, **{k: _value(v) for k, v in overrides.items()}})
                 for r in runs]
         if args.split_fractions:  # a string field: not parsed as a tuple literal like --set values
-            loop.corpus_spec(ml_collections.ConfigDict({"corpus": "stdlib", "split_fractions": args.split_fractions}))
+            DataConfig(split_fractions=args.split_fractions).corpus_spec()
             runs = [dataclasses.replace(r, config={**r.config, "data.split_fractions": args.split_fractions})
                     if r.task == "lm" else r for r in runs]
         for g in args.grid:

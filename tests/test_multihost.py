@@ -182,11 +182,6 @@ def test_initialize_is_a_no_op_for_one_process(monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------ train.py end to end
-_BOOT = ("import runpy, sys; from coupled_qk_jax.distributed import initialize_distributed; "
-         "initialize_distributed(initialization_timeout=60); sys.argv = sys.argv[1:]; "
-         "runpy.run_path(sys.argv[0], run_name='__main__')")
-
-
 def _train_cmd(workdir: pathlib.Path, corpus: pathlib.Path, cache: pathlib.Path) -> list[str]:
     args = [str(ROOT / "train.py"), "--config=configs/lm.py:coupled_euler,tiny", f"--workdir={workdir}",
             "--config.model.vocab_size=264", "--config.model.d_model=32", "--config.model.n_layers=2",
@@ -197,10 +192,7 @@ def _train_cmd(workdir: pathlib.Path, corpus: pathlib.Path, cache: pathlib.Path)
             "--config.train.steps=4", "--config.train.batch_size=8", "--config.train.warmup_steps=2",
             "--config.train.log_every=1", "--config.train.eval_every=0", "--config.train.eval_batches=1",
             "--config.checkpoint.every=2", "--config.mesh.data=1", "--config.mesh.fsdp=-1", "--config.mesh.tensor=2"]
-    # train.py joins the cluster itself once it calls initialize_distributed; until then a two-line bootstrap does.
-    if "initialize_distributed" in (ROOT / "train.py").read_text():
-        return [sys.executable] + args
-    return [sys.executable, "-c", _BOOT] + args
+    return [sys.executable] + args  # train.py joins the cluster itself (distributed.initialize_distributed)
 
 
 def _train_losses(workdir: pathlib.Path) -> dict[int, float]:
@@ -218,8 +210,6 @@ def test_train_py_two_processes_matches_one_process(tmp_path):
     """`train.py` itself: 2 processes x 2 CPU devices (mesh fsdp=2 across the processes, tensor=2) vs 1 process x
     4 devices. Each host reads its own interleaved windows, so the global batch holds the same rows in another
     order: losses agree to fp32 summation order, not bit for bit."""
-    if not (ROOT / "train.py").exists():
-        pytest.skip("train.py is not there yet")
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()

@@ -125,10 +125,10 @@ def test_sigkill_mid_run_then_resume_is_bitwise(runs):
     script = (
         "import sys, time, pathlib\n"
         f"sys.path[:0] = [{ROOT!r}, {os.path.join(ROOT, 'tests')!r}]\n"
-        "from coupled_qk_jax.training import loop, tasks\n"
+        "from coupled_qk_jax.training import loop\n"
         "from test_seed_parallel import _cfg\n"
-        "batch = tasks.global_seed_batch\n"
-        "tasks.global_seed_batch = lambda *a: (time.sleep(0.3), batch(*a))[1]\n"
+        "batch = loop.next_batch\n"
+        "loop.next_batch = lambda *a: (time.sleep(0.3), batch(*a))[1]\n"
         f"loop.train(_cfg(pathlib.Path({str(root)!r}), num_seeds=2), {str(workdir)!r}, progress=False)\n")
     proc = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)

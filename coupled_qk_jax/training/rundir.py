@@ -68,12 +68,23 @@ _ABSENT = "<absent>"
 
 
 def jsonable(obj: Any) -> Any:
-    """The JSON form of a config dict (tuples become lists), as config.json stores it."""
-    return json.loads(json.dumps(obj, sort_keys=True, default=str))
+    """The strict-JSON form of ``obj`` (a config dict, a summary): tuples become lists, numpy scalars Python ones,
+    NaN/inf the strings "nan"/"inf", anything else unknown its str()."""
+    def plain(x: Any) -> Any:
+        if isinstance(x, dict):
+            return {k: plain(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [plain(v) for v in x]
+        if isinstance(x, np.generic):
+            x = x.item()
+        return str(x) if isinstance(x, float) and not np.isfinite(x) else x
+
+    return json.loads(json.dumps(plain(obj), sort_keys=True, default=str))
 
 
 def write_json(path: str | os.PathLike[str], obj: Any) -> None:
-    """Human-readable JSON via a temporary file and os.replace (readers never see half a file)."""
+    """Human-readable JSON (:func:`jsonable`) via a temporary file and os.replace (readers never see half a file).
+    The one JSON file writer of a run directory: config.json, data.json, summary.json, eval results."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
