@@ -459,9 +459,6 @@ def _train_locked(cfg: ml_collections.ConfigDict, workdir: str, progress: bool, 
     _, mcfg = check_config(cfg)  # config mistakes first, before the corpus is read
     cache, fingerprint, changes = prepare_data(cfg, mcfg, workdir, allow_change)
     s = setup(cfg, workdir, cache)
-    note = observe.allocator_note() if main else None
-    if note:
-        print(note, file=sys.stderr, flush=True)
     if s.task.name == "lm" and main and s.task.summary()["skipped_non_utf8"]:
         print(f"warning: skipped {s.task.summary()['skipped_non_utf8']} non-UTF-8 file(s) in {cfg.data.corpus} "
               f"(see the token cache manifest)", flush=True)
