@@ -46,7 +46,7 @@ from coupled_qk_jax.config import ModelConfig
 from coupled_qk_jax.data.corpora import CorpusSpec
 from coupled_qk_jax.data.pipeline import train_stream_spec
 from coupled_qk_jax.data.token_cache import (
-    TokenCache, build_token_cache, data_fingerprint, find_token_cache, source_contents, tokenizer_sha256)
+    TokenCache, data_fingerprint, find_token_cache, shared_token_cache, source_contents, tokenizer_sha256)
 from coupled_qk_jax.errors import UserError
 from coupled_qk_jax.model import TransformerLM
 from coupled_qk_jax.training import observe
@@ -180,8 +180,9 @@ def load_data(cfg: ml_collections.ConfigDict, mcfg: ModelConfig, *, run_tokenize
             cache = None
         if cache is None and run_tokenizer is not None:
             kwargs["tokenizer_path"] = run_tokenizer
-    if cache is None:
-        cache = build_token_cache(spec, cache_dir, **kwargs)
+    # Every process calls it (process 0 tokenises, the others wait and read); one that found its entry above only
+    # joins the barriers.
+    cache = shared_token_cache(spec, cache_dir, found=cache, **kwargs)
     if cache.vocab_size > mcfg.vocab_size:  # smaller is fine: the model's extra ids are padding, never in the data
         raise UserError(f"vocab mismatch: the token cache {cache.directory.name} has vocab {cache.vocab_size}, "
                         f"more than model.vocab_size {mcfg.vocab_size}")

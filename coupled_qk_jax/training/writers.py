@@ -23,12 +23,20 @@ def _jsonable(value: Any) -> Any:
 
 
 def write_json_atomic(path: str, obj: dict[str, Any]) -> None:
-    """Write via a temporary file and os.replace, so readers never see half a file."""
+    """Write via a temporary file in the same directory, fsync and os.replace, so readers never see half a file
+    (nor, after a crash or power loss, an empty one); a failed write removes its temporary file."""
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump({k: _jsonable(v) for k, v in obj.items()}, f, indent=2, sort_keys=True)
-        f.write("\n")
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump({k: _jsonable(v) for k, v in obj.items()}, f, indent=2, sort_keys=True)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
 
 
 def read_metrics(workdir: str) -> list[dict[str, Any]]:
