@@ -26,7 +26,9 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 # Every command line that starts a process (the benchmark scripts found, so that a new one cannot be missed).
 # bench_torch_peer.py is the PyTorch peer: it runs with PyTorch's default allocator, which is what its user gets.
 ENTRY_POINTS = sorted({"train.py", "eval.py", "sample.py", "export.py", "coupled_qk_jax/main_job.py",
-                       "experiments/sweep.py",
+                       "coupled_qk_jax/smoke.py", "experiments/sweep.py", "experiments/qkov_paper.py",
+                       "experiments/qkov_fixed_attention.py", "experiments/qkov_synthetic.py",
+                       "experiments/qkov_lm_bridge.py",
                        *(str(p.relative_to(ROOT)) for p in (ROOT / "benchmarks").glob("*.py"))}
                       - {"benchmarks/bench_torch_peer.py"})
 
@@ -190,7 +192,7 @@ def _calls_configure_first(source: str) -> bool:
 
 
 def test_every_entry_point_configures_the_process_first():
-    assert len(ENTRY_POINTS) >= 16
+    assert len(ENTRY_POINTS) >= 21
     missing = [p for p in ENTRY_POINTS if not _calls_configure_first((ROOT / p).read_text())]
     assert not missing, f"call coupled_qk_jax.startup.configure_process() first in the __main__ block of {missing}"
     # Positive control: a main block that starts work first, or lacks the call, is caught.
