@@ -209,7 +209,9 @@ def _train_losses(workdir: pathlib.Path) -> dict[int, float]:
 def test_train_py_two_processes_matches_one_process(tmp_path):
     """`train.py` itself: 2 processes x 2 CPU devices (mesh fsdp=2 across the processes, tensor=2) vs 1 process x
     4 devices. Each host reads its own interleaved windows, so the global batch holds the same rows in another
-    order: losses agree to fp32 summation order, not bit for bit."""
+    order: losses agree to fp32 summation order, not bit for bit. The two processes share one token cache
+    directory: process 0 tokenises into it (and says so), process 1 waits and reads it; the 1-process run, with a
+    cache of its own, is the positive control for the "tokenising" line."""
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
@@ -227,8 +229,7 @@ def test_train_py_two_processes_matches_one_process(tmp_path):
         for pid in range(2):
             cluster = {distributed.ENV_COORDINATOR: f"127.0.0.1:{port}", distributed.ENV_NUM_PROCESSES: "2",
                        distributed.ENV_PROCESS_ID: str(pid)}
-            # Separate token caches: two processes building one cache directory at once would race.
-            procs.append(subprocess.Popen(_train_cmd(tmp_path / "two", corpus, tmp_path / f"cache{pid}"), cwd=ROOT,
+            procs.append(subprocess.Popen(_train_cmd(tmp_path / "two", corpus, tmp_path / "cache_two"), cwd=ROOT,
                                           env=_env(2, cluster), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                           text=True))
     finally:
@@ -239,3 +240,11 @@ def test_train_py_two_processes_matches_one_process(tmp_path):
     for step in one:
         assert two[step] == pytest.approx(one[step], rel=1e-5), (step, one, two)
     assert (tmp_path / "two" / "checkpoints").is_dir()
+    tokenised = [[line for line in out.splitlines() if line.startswith("tokenising ")] for out in outs]
+    assert len(tokenised[0]) == 1, outs[0][-3000:]  # the 1-process run tokenised into its own cache
+    assert len(tokenised[1]) == 1 and tokenised[1][0].endswith("(process 0)"), outs[1][-3000:]
+    assert tokenised[2] == [], outs[2][-3000:]  # process 1 read process 0's entry
+    # One entry, the 1-process run's key, complete and nothing else (the shared-storage probe file is removed).
+    entries = list((tmp_path / "cache_two" / "tokens").iterdir())
+    assert [e.name for e in entries] == [e.name for e in (tmp_path / "cache_one" / "tokens").iterdir()], entries
+    assert sorted(f.name for f in entries[0].iterdir()) == ["manifest.json", "test.bin", "train.bin", "validation.bin"]

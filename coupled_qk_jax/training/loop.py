@@ -49,7 +49,7 @@ from coupled_qk_jax import sharding as shd
 from coupled_qk_jax.config import ModelConfig
 from coupled_qk_jax.data.pipeline import train_stream_spec
 from coupled_qk_jax.data.token_cache import (
-    TokenCache, build_token_cache, data_fingerprint, find_token_cache, source_contents, tokenizer_sha256)
+    TokenCache, data_fingerprint, find_token_cache, shared_token_cache, source_contents, tokenizer_sha256)
 from coupled_qk_jax.errors import UserError
 from coupled_qk_jax.model import TransformerLM
 from coupled_qk_jax.training import observe
@@ -140,8 +140,9 @@ def load_data(run: RunConfig, *, run_tokenizer: str | None = None, tokenizer_sha
             cache = None
         if cache is None and run_tokenizer is not None:
             kwargs["tokenizer_path"] = run_tokenizer
-    if cache is None:
-        cache = build_token_cache(spec, cache_dir, **kwargs)
+    # Every process calls it (process 0 tokenises, the others wait and read); one that found its entry above only
+    # joins the barriers.
+    cache = shared_token_cache(spec, cache_dir, found=cache, **kwargs)
     if cache.vocab_size > vocab_size:  # smaller is fine: the model's extra ids are padding, never in the data
         raise UserError(f"vocab mismatch: the token cache {cache.directory.name} has vocab {cache.vocab_size}, "
                         f"more than model.vocab_size {vocab_size}")
@@ -424,12 +425,9 @@ def _start(run: RunConfig, config_json: dict[str, Any], workdir: str,
     """Check the run directory, set up, and restore (or initialise): ``(setup, data iterator, state, checkpoint
     meta, checkpoint extras)``; the extras are what every save stores beside the state."""
     main = jax.process_index() == 0
-    make_mesh(run)  # mesh mistakes before the corpus is read
-    cache, fingerprint, changes = prepare_data(run, config_json, workdir, allow_change)
-    s = setup(run, workdir, cache)
-    note = observe.allocator_note() if main else None
-    if note:
-        print(note, file=sys.stderr, flush=True)
+    _, mcfg = check_config(cfg)  # config mistakes first, before the corpus is read
+    cache, fingerprint, changes = prepare_data(cfg, mcfg, workdir, allow_change)
+    s = setup(cfg, workdir, cache)
     if s.task.name == "lm" and main and s.task.summary()["skipped_non_utf8"]:
         print(f"warning: skipped {s.task.summary()['skipped_non_utf8']} non-UTF-8 file(s) in {run.data.corpus} "
               f"(see the token cache manifest)", flush=True)

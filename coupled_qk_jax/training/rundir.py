@@ -84,15 +84,22 @@ def jsonable(obj: Any) -> Any:
 
 def write_json(path: str | os.PathLike[str], obj: Any) -> None:
     """Human-readable JSON (:func:`jsonable`) via a temporary file and os.replace (readers never see half a file).
-    The one JSON file writer of a run directory: config.json, data.json, summary.json, eval results."""
+    The one JSON file writer: a run directory's config.json, data.json, summary.json and eval results, the token
+    cache's manifest."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
-        tmp.write_text(json.dumps(jsonable(obj), indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(json.dumps(jsonable(obj), indent=2, sort_keys=True) + "\n")
+            f.flush()
+            os.fsync(f.fileno())  # after a crash or power loss: the old file or the whole new one, never an empty one
         os.replace(tmp, path)
     except OSError as e:
         tmp.unlink(missing_ok=True)
         raise UserError(f"cannot write {path}: {e.strerror or e}") from None
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def read_json(path: str | os.PathLike[str]) -> Any | None:
