@@ -89,4 +89,7 @@ def print_result(result: dict, split: str) -> None:
 
 
 if __name__ == "__main__":
+    from coupled_qk_jax.startup import configure_process
+
+    configure_process()  # the CPU malloc settings, before JAX starts (coupled_qk_jax/startup.py)
     app.run(main, flags_parser=cli.parse_flags)

@@ -9,7 +9,7 @@ grads:     bf16 against fp32 gradients of every variant (same params and batch):
            similarity and the norm ratio; a leaf fails below cosine 0.99 or off by more than 5% in norm.
 attention: attention.causal_attention with impl="cudnn" against impl="explicit", bf16, forward and gradients
            (softmax and the differential mix); on a machine without cuDNN it records that and compares "xla".
-step:      the real train step (sharding.jit_train_step, AdamW, bf16, the config's model with scanned layers)
+step:      the real train step (sharding.jit_sharded, AdamW, bf16, the config's model with scanned layers)
            on random tokens: median step time over 10 steps after 3 warm-up steps, tokens/s, MFU against the
            device's bf16 peak (6N + 12·L·T·d FLOPs per token, benchmarks/memory_model.flops_per_token), the device's
            peak memory (memory_stats) and compiled.memory_analysis().
@@ -39,6 +39,7 @@ from coupled_qk_jax.attention import causal_attention  # noqa: E402
 from coupled_qk_jax.config import ALL_VARIANTS, ModelConfig  # noqa: E402
 from coupled_qk_jax.model import TransformerLM  # noqa: E402
 from coupled_qk_jax.training import steps  # noqa: E402
+from coupled_qk_jax.training.config import TrainConfig  # noqa: E402
 
 # Dense bf16 peaks (FLOP/s) by device kind substring; MFU is left out for an unknown device.
 PEAKS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L4": 121e12}
@@ -120,23 +121,23 @@ def part_step(scale: str, variant: str, small: bool) -> dict:
         cfg, batch, seq = dataclasses.replace(cfg, n_layers=2, d_model=64, n_heads=4, d_ff=128, vocab_size=256,
                                               max_len=64, coupling_hidden=12, affine_hidden=12), 2, 64
     graphdef, params = steps.split_model(TransformerLM(cfg, 0))
-    tx = optimizer.make_optimizer(params, base.train)
+    tx = optimizer.make_optimizer(params, TrainConfig.from_dict(base.train))
     mesh = shd.make_mesh({"data": -1, "fsdp": 1, "tensor": 1})
     state = steps.init_train_state(params, tx)
     shardings = shd.train_state_shardings(TransformerLM(cfg, 0), tx, state, mesh)
     state = jax.device_put(state, shardings)
-    step = shd.jit_train_step(steps.make_train_step(graphdef, tx), shardings, mesh)
+    train_step = steps.make_train_step(graphdef, tx)
+    step = shd.jit_sharded(lambda s, b: train_step(s, b, jax.random.key(0)), mesh, shardings, donate=True)
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, seq + 1)).astype(np.int32)
     data = shd.global_batch({"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}, mesh)
-    key = jax.random.key(0)
     t0 = time.perf_counter()
-    compiled = step.lower(state, data, key).compile()
+    compiled = step.lower(state, data).compile()
     compile_s = time.perf_counter() - t0
     mem = compiled.memory_analysis()
     times = []
     for i in range(13):
         t0 = time.perf_counter()
-        state, metrics = compiled(state, data, key)
+        state, metrics = compiled(state, data)
         jax.block_until_ready(metrics["loss"])
         if i >= 3:
             times.append(time.perf_counter() - t0)
@@ -229,4 +230,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    from coupled_qk_jax.startup import configure_process
+
+    configure_process()  # the CPU malloc settings, before JAX starts (coupled_qk_jax/startup.py)
     sys.exit(main())

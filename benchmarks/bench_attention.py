@@ -52,6 +52,7 @@ from configs import lm  # noqa: E402
 from coupled_qk_jax.config import ModelConfig  # noqa: E402
 from coupled_qk_jax.model import TransformerLM, count_params  # noqa: E402
 from coupled_qk_jax.training.observe import model_flops_per_step  # noqa: E402  (the training loop's MFU too)
+from coupled_qk_jax.training.config import TrainConfig  # noqa: E402
 from coupled_qk_jax.training.optimizer import make_optimizer  # noqa: E402
 from coupled_qk_jax.training.steps import init_train_state, make_train_step, split_model  # noqa: E402
 
@@ -165,7 +166,7 @@ class Case:
         self.seq = args.seq or cfg.model.max_len
         model_fields["max_len"] = max(model_fields["max_len"], self.seq)
         self.cfg = ModelConfig.from_dict(model_fields)
-        train_cfg = dict(cfg.train)
+        train_cfg = TrainConfig.from_dict(cfg.train)
 
         model = TransformerLM(self.cfg, 0)
         self.n_params = count_params(model)
@@ -339,4 +340,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from coupled_qk_jax.startup import configure_process
+
+    configure_process()  # the CPU malloc settings, before JAX starts (coupled_qk_jax/startup.py)
     main()

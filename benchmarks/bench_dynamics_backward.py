@@ -33,11 +33,12 @@ from configs import lm  # noqa: E402
 from coupled_qk_jax import dynamics  # noqa: E402
 from coupled_qk_jax.config import ModelConfig  # noqa: E402
 from coupled_qk_jax.model import TransformerLM  # noqa: E402
+from coupled_qk_jax.training.config import TrainConfig  # noqa: E402
 from coupled_qk_jax.training.optimizer import make_optimizer  # noqa: E402
 from coupled_qk_jax.training.steps import init_train_state, make_train_step, split_model  # noqa: E402
 
 
-def compiled_step(cfg: ModelConfig, train_cfg: dict, batch: int, seq: int):
+def compiled_step(cfg: ModelConfig, train_cfg: TrainConfig, batch: int, seq: int):
     """The jitted, donated train step of bench_attention.py, lowered and compiled on abstract inputs."""
     graphdef, params = split_model(TransformerLM(cfg, 0))
     tx = make_optimizer(params, train_cfg)
@@ -51,7 +52,7 @@ def memory_row(variant: str, n_steps: int, backward: str, args) -> dict:
     cfg = lm.get_config(f"{variant},{args.scale}")
     fields = dict(cfg.model, n_steps=n_steps, dynamics_backward=backward, dtype=args.dtype)
     batch, seq = args.batch or cfg.train.batch_size, cfg.model.max_len
-    compiled = compiled_step(ModelConfig.from_dict(fields), dict(cfg.train), batch, seq)
+    compiled = compiled_step(ModelConfig.from_dict(fields), TrainConfig.from_dict(cfg.train), batch, seq)
     m = compiled.memory_analysis()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost  # a list of dicts on older jax
@@ -67,7 +68,9 @@ def layer_case(dtype, dt: float, seed: int = 0):
     keys = jax.random.split(jax.random.key(seed), 4)
     q = jax.random.normal(keys[0], (b, t, h, d)).astype(dtype)
     k = jax.random.normal(keys[1], (b, t, h, d)).astype(dtype)
-    params = dynamics.init_coupling_params(keys[2], d, hidden, zero_output=False)
+    k1, k2 = jax.random.split(keys[2])
+    params = {"w1": jax.random.normal(k1, (d, hidden)) / jnp.sqrt(d), "b1": jnp.zeros(hidden),
+              "w2": jax.random.normal(k2, (hidden, d)) / jnp.sqrt(hidden), "b2": jnp.zeros(d)}
     params = jax.tree.map(lambda a: a.astype(dtype), params)
     dt = jnp.full((h, 1), dt, jnp.float32)
     return q, k, dt, functools.partial(dynamics.coupling_mlp, params), params
@@ -176,4 +179,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from coupled_qk_jax.startup import configure_process
+
+    configure_process()  # the CPU malloc settings, before JAX starts (coupled_qk_jax/startup.py)
     main()

@@ -25,6 +25,7 @@ from configs.lm import get_config  # noqa: E402
 from coupled_qk_jax import sharding as shd  # noqa: E402
 from coupled_qk_jax.data.pipeline import make_train_iterator  # noqa: E402
 from coupled_qk_jax.training import loop  # noqa: E402
+from coupled_qk_jax.training.config import RunConfig  # noqa: E402
 
 
 def bench_model(variant: str, scale: str, steps: int, corpus: str, cache_dir: str | None) -> tuple[float, float]:
@@ -36,7 +37,7 @@ def bench_model(variant: str, scale: str, steps: int, corpus: str, cache_dir: st
     import tempfile
 
     with tempfile.TemporaryDirectory() as workdir:  # no checkpoints are written; the manager just needs a dir
-        s = loop.setup(cfg, workdir)
+        s = loop.setup(RunConfig.from_configdict(cfg), workdir)
         s.checkpointer.close()
     state = s.init_state()
     step_fn = loop.make_sharded_train_step(s)
@@ -72,8 +73,8 @@ def main() -> int:
         model_rate = max(model_rate, rate)
         print(f"train {variant:>16s} {args.scale}: {rate:10,.0f} tokens/s  ({cpu_per_step:.3f} CPU s/step, "
               f"T={t} B={b})")
-    cache = loop.load_data(cfg if args.cache_dir is None else _with_cache(cfg, args.cache_dir),
-                           loop.model_config(cfg))
+    data_cfg = cfg if args.cache_dir is None else _with_cache(cfg, args.cache_dir)
+    cache = loop.load_data(RunConfig.from_configdict(data_cfg))
     pipe = bench_iterator(cache.tokens("train"), t, b, threads=2, seconds=args.seconds)
     ratio = pipe / model_rate
     print(f"data pipeline (grain, T={t} B={b}): {pipe:,.0f} tokens/s = {ratio:,.0f}x the fastest model above")
@@ -89,4 +90,7 @@ def _with_cache(cfg, cache_dir: str):
 
 
 if __name__ == "__main__":
+    from coupled_qk_jax.startup import configure_process
+
+    configure_process()  # the CPU malloc settings, before JAX starts (coupled_qk_jax/startup.py)
     sys.exit(main())

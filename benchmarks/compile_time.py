@@ -3,7 +3,7 @@
     python benchmarks/compile_time.py [--variant coupled_euler] [--layers 4,24] [--width 1024 --heads 16 --vocab 50304
                                        --seq 1024 --batch 2] [--out benchmarks/results/compile_time.md]
 
-For each (layers, layout) it lowers the whole train step (forward, backward, AdamW; sharding.jit_train_step on one
+For each (layers, layout) it lowers the whole train step (forward, backward, AdamW; sharding.jit_sharded on one
 device, from ShapeDtypeStructs: nothing is allocated) and compiles it for CPU, and records the wall-clock seconds of
 tracing + lowering and of compilation, and the size of the optimised HLO (instructions). The headline is the ratio
 deep / shallow, per layout, measured in the same process one after another: compile time is wall-clock, so only the
@@ -33,6 +33,7 @@ from coupled_qk_jax import sharding as shd  # noqa: E402
 from coupled_qk_jax.config import ModelConfig  # noqa: E402
 from coupled_qk_jax.model import TransformerLM  # noqa: E402
 from coupled_qk_jax.training import optimizer, steps  # noqa: E402
+from coupled_qk_jax.training.config import TrainConfig  # noqa: E402
 
 
 def uptime() -> str:
@@ -43,23 +44,23 @@ def uptime() -> str:
 
 
 def abstract_step(cfg: ModelConfig, batch: int, seq: int, train_cfg):
-    """(jitted train step, abstract state, abstract batch, abstract key) on a 1-device mesh."""
+    """(jitted train step, abstract state, abstract batch) on a 1-device mesh."""
     abstract = nnx.eval_shape(lambda: TransformerLM(cfg, 0))
     graphdef, params = steps.split_model(abstract)
     tx = optimizer.make_optimizer(params, train_cfg)
     state = jax.eval_shape(lambda p: steps.init_train_state(p, tx), params)
     mesh = shd.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
     shardings = shd.train_state_shardings(abstract, tx, state, mesh)
-    step = shd.jit_train_step(steps.make_train_step(graphdef, tx), shardings, mesh)
+    train_step = steps.make_train_step(graphdef, tx)
+    step = shd.jit_sharded(lambda s, b: train_step(s, b, jax.random.key(0)), mesh, shardings, donate=True)
     tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
-    key = jax.eval_shape(lambda: jax.random.key(0))
-    return step, state, {"inputs": tokens, "targets": tokens}, key
+    return step, state, {"inputs": tokens, "targets": tokens}
 
 
 def measure(cfg: ModelConfig, batch: int, seq: int, train_cfg) -> dict:
     t0 = time.perf_counter()
-    step, state, tokens, key = abstract_step(cfg, batch, seq, train_cfg)
-    lowered = step.lower(state, tokens, key)
+    step, state, tokens = abstract_step(cfg, batch, seq, train_cfg)
+    lowered = step.lower(state, tokens)
     t1 = time.perf_counter()
     compiled = lowered.compile()
     t2 = time.perf_counter()
@@ -92,7 +93,7 @@ def main(argv=None) -> int:
     for scan in (True, False):
         for layers in (shallow, deep):
             rows[scan, layers] = measure(dataclasses.replace(cfg, n_layers=layers, scan_layers=scan), args.batch,
-                                         args.seq, base.train)
+                                         args.seq, TrainConfig.from_dict(base.train))
             print(f"scan={scan} layers={layers}: {rows[scan, layers]}", flush=True)
     load_after = uptime()
     lines = [f"variant {args.variant}, d_model {args.width}, heads {args.heads}, d_ff {4 * args.width}, vocab "
@@ -117,4 +118,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    from coupled_qk_jax.startup import configure_process
+
+    configure_process()  # the CPU malloc settings, before JAX starts (coupled_qk_jax/startup.py)
     sys.exit(main())

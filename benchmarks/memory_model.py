@@ -42,7 +42,7 @@ Model FLOPs per token: 6N + 12·L·s·d (Kaplan/PaLM-style; N includes the tied 
 tokens/s = MFU × peak / FLOPs-per-token, at an assumed 40% MFU on bf16 peaks of 197 TFLOP/s (TPU v5e) and
 989 TFLOP/s (H100 SXM, dense).
 
-`--xla` checks the memory part against the compiler: it compiles the real train step (sharding.jit_train_step, the
+`--xla` checks the memory part against the compiler: it compiles the real train step (sharding.jit_sharded, the
 config's global batch, state donated) for 8 fake CPU devices on a data=8 and an fsdp=8 mesh, from ShapeDtypeStructs,
 and prints `compiled.memory_analysis()` (arguments + outputs − aliased + temporaries) next to the model's total. It
 compiles with LLVM's optimisations off (FAST_COMPILE): buffer assignment is an HLO pass, and the figures are the same
@@ -72,6 +72,7 @@ from coupled_qk_jax import sharding as shd  # noqa: E402
 from coupled_qk_jax.config import DYNAMICS_METHOD, ModelConfig  # noqa: E402
 from coupled_qk_jax.attention import auto_chunks  # noqa: E402
 from coupled_qk_jax.model import TransformerLM, abstract_param_count  # noqa: E402
+from coupled_qk_jax.training.config import TrainConfig  # noqa: E402
 
 # The tanh-GELU's saved intermediates: jax 0.11 changed tanh's derivative to save 1 − tanh² (one tensor) where
 # earlier versions saved tanh and 1 − tanh (tests/test_memory_model.py checks the count on the installed jax).
@@ -276,10 +277,10 @@ def xla_memory(cfg: ModelConfig, mesh_shape: tuple[int, int, int], batch: int, s
     state = jax.eval_shape(lambda p: steps.init_train_state(p, tx), params)
     mesh = shd.make_mesh(dict(zip(shd.MESH_AXES, mesh_shape)))
     shardings = shd.train_state_shardings(abstract, tx, state, mesh)
-    step = shd.jit_train_step(steps.make_train_step(graphdef, tx), shardings, mesh)
+    train_step = steps.make_train_step(graphdef, tx)
+    step = shd.jit_sharded(lambda s, b: train_step(s, b, jax.random.key(0)), mesh, shardings, donate=True)
     tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
-    key = jax.eval_shape(lambda: jax.random.key(0))
-    m = step.lower(state, {"inputs": tokens, "targets": tokens}, key).compile(FAST_COMPILE).memory_analysis()
+    m = step.lower(state, {"inputs": tokens, "targets": tokens}).compile(FAST_COMPILE).memory_analysis()
     total = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
     return {"arguments": m.argument_size_in_bytes, "outputs": m.output_size_in_bytes,
             "aliased": m.alias_size_in_bytes, "temp": m.temp_size_in_bytes, "total": total}
@@ -295,7 +296,7 @@ def xla_report(variant: str, scales: list[str], bytes_per: int, layers: int = 0)
         cfg, seq, batch = model_config(scale, variant)
         cfg = dataclasses.replace(cfg, dtype="bfloat16" if bytes_per == 2 else "float32",
                                   n_layers=layers or cfg.n_layers)
-        train_cfg = lm.get_config(f"{variant},{scale}").train
+        train_cfg = TrainConfig.from_dict(lm.get_config(f"{variant},{scale}").train)
         for shape in ((8, 1, 1), (1, 8, 1)):
             x = xla_memory(cfg, shape, batch, seq, train_cfg)
             sequences = batch / (shape[0] * shape[1])
@@ -328,4 +329,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    from coupled_qk_jax.startup import configure_process
+
+    configure_process()  # the CPU malloc settings, before JAX starts (coupled_qk_jax/startup.py)
     sys.exit(main())

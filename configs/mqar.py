@@ -27,13 +27,12 @@ Zoology trains 64 epochs; the default of 16 here is sized for a 2-core CPU.
 
 from __future__ import annotations
 
-import dataclasses
-
 import ml_collections
 
 from configs import lm
 from coupled_qk_jax.config import ModelConfig
 from coupled_qk_jax.data import mqar
+from coupled_qk_jax.training.config import MQARConfig, configdict
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
@@ -45,25 +44,20 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     d_model, n_heads = level.d_model, 2
     head_dim = d_model // n_heads
 
-    # The loop's train / checkpoint / mesh blocks are configs/lm.py's (every field the loop reads), MQAR-sized below.
+    # The loop's train / checkpoint / mesh blocks are configs/lm.py's, MQAR-sized below; the data block holds only
+    # what the MQAR task reads (its data is generated).
     cfg = lm.get_config(f"{variant},tiny")
     cfg.task = "mqar"
     del cfg.scale
-    # Every ModelConfig field with the library's defaults, then the MQAR shape.
-    model = dataclasses.asdict(ModelConfig(variant=variant))
-    model.update(vocab_size=level.vocab_size, max_len=level.seq_len, d_model=d_model, n_layers=2, n_heads=n_heads,
-                 d_ff=0,  # attention-only
-                 coupling_hidden=3 * head_dim // 4, affine_hidden=3 * head_dim // 4)
-    cfg.model = ml_collections.ConfigDict(model)
+    cfg.model = configdict(ModelConfig(
+        variant=variant, vocab_size=level.vocab_size, max_len=level.seq_len, d_model=d_model, n_layers=2,
+        n_heads=n_heads, d_ff=0,  # attention-only
+        coupling_hidden=3 * head_dim // 4, affine_hidden=3 * head_dim // 4))
     cfg.data = ml_collections.ConfigDict(dict(seq_len=level.seq_len, num_threads=1))
-    cfg.mqar = ml_collections.ConfigDict(dict(
-        level=level_name,  # choose it with the config argument: it also sets the model's shape
-        epochs=16,
-        num_train=level.num_train,  # training examples (one zoology segment, seed derivation as zoology's)
-        num_test=level.num_test,  # held-out examples: the metric's segment
-        eval_every_epochs=2,
-    ))
-    cfg.train.update(batch_size=level.train_batch_size, lr=3e-3, log_every=25, eval_batches=0, eval_batch_size=0)
+    # level: choose it with the config argument (it also sets the model's shape); num_train / num_test: the level's
+    # segment sizes; steps_per_epoch: derived below.
+    cfg.mqar = configdict(MQARConfig(level=level_name, num_train=level.num_train, num_test=level.num_test))
+    cfg.train.update(batch_size=level.train_batch_size, lr=3e-3)
     bs = cfg.train.get_ref("batch_size")
     cfg.mqar.steps_per_epoch = (cfg.mqar.get_ref("num_train") + bs - 1) // bs
     spe = cfg.mqar.get_ref("steps_per_epoch")

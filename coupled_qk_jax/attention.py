@@ -266,7 +266,8 @@ class CouplingMLP(nnx.Module):
         self.w1 = nnx.Param(jax.random.normal(named_key(key, path + "/w1"), lead + (d, h)) / math.sqrt(d),
                             logical_axes=lead_axes + ("head_dim", "coupling"))
         self.b1 = const_param(lead + (h,), 0.0, lead_axes + ("coupling",))
-        # Zero output layer: f ≡ 0 at init, so the k-update starts as the identity (see dynamics.init_coupling_params).
+        # Zero output layer: f ≡ 0 at init, so the k-update starts as the identity while the q-drift (q += Δt·k)
+        # already couples the pair; the gradient reaching w2 is non-zero from the first step.
         self.w2 = const_param(lead + (h, d), 0.0, lead_axes + ("coupling", "head_dim"))
         self.b2 = const_param(lead + (d,), 0.0, lead_axes + ("head_dim",))
 

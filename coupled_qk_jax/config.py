@@ -17,6 +17,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
+from coupled_qk_jax.errors import did_you_mean
+
 QK_TRANSFORMS = ("none", "coupled_euler", "coupled_leapfrog", "mlp_only", "affine")
 SCORINGS = ("softmax", "differential")
 # Dynamics method used by each dynamics-based transform.
@@ -52,7 +54,9 @@ class ModelConfig:
     n_heads: int = 4  # the *baseline* head count; differential scoring uses n_heads // 2 heads of twice the width
     d_ff: int = 256  # 0 removes the block MLP (attention-only models, e.g. MQAR)
     # Coupled dynamics (coupled_euler / coupled_leapfrog / mlp_only).
-    n_steps: int = 1
+    n_steps: int = 1  # the paper: 1..7 steps perform the same; one suffices
+    # Δt starts at 0.1: the layer starts close to standard attention (exactly standard at 0) while the gradient
+    # reaching f (∝ Δt) is already non-negligible.
     dt_init: float = 0.1
     coupling_hidden: int = 24
     coupling_scope: str = "layer"  # "layer": one f per layer; "shared": one f for every layer
@@ -139,8 +143,9 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> "ModelConfig":
         """Build from a ConfigDict/dict, refusing unknown fields by name."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
+        known = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(values) - set(known))
         if unknown:
-            raise ValueError(f"model: unknown field(s) {unknown}; known fields are {sorted(known)}")
+            raise ValueError(f"model: unknown field(s) {unknown}{did_you_mean(unknown[0], known)}; known fields are "
+                             f"{sorted(known)}")
         return cls(**dict(values))

@@ -19,8 +19,8 @@ The MLP-only ablation ("uncoupled") applies the same f to q and to k separately,
 
 Layout: every function takes q, k of shape [..., H, d] (heads on axis −2, the layer's [B, T, H, d_head]), Δt of
 shape [H] and, with per-head params, f's params stacked on a leading H axis. `integrate` takes its n steps with
-`jax.lax.scan` (n is static); `evolve_heads` maps over heads with `jax.vmap`, `evolve_heads_batched` applies f to all
-heads at once.
+`jax.lax.scan` (n is static); `evolve_heads_batched` applies f to all heads at once (one batched matmul; the
+tests check it against a `jax.vmap` over heads).
 
 Precision. Δt stays float32 and every update x + Δt·y is computed in float32 and rounded once to the compute dtype
 (`_axpy`), so under bf16 Δt·k is never formed in bf16 and the gradient of Δt (a sum over B·T·d_head products per
@@ -341,32 +341,6 @@ def _check_heads(q: Array, k: Array, dt: Array, method: str, n_steps: int, backw
     return n_heads
 
 
-def evolve_heads(
-    q: Array,
-    k: Array,
-    dt: Array,
-    params: Mapping[str, Array],
-    n_steps: int,
-    method: str,
-    per_head_params: bool = False,
-    unroll: int | bool = 1,
-    backward: str = "reversible",
-) -> tuple[Array, Array]:
-    """Evolve every head's (q, k) with its own Δt, mapping `jax.vmap` over the head axis.
-
-    q, k: [B, T, H, d_head] (any [..., H, d_head]); dt: [H]; params: coupling-MLP params (see `coupling_mlp`), shared
-    by all heads, or with a leading H axis on every leaf when `per_head_params=True`. Returns (q_n, k_n), both
-    [B, T, H, d_head]. `backward`: see `integrate`.
-    """
-    _check_heads(q, k, dt, method, n_steps, backward)
-
-    def one_head(q_h, k_h, dt_h, params_h):
-        return integrate(q_h, k_h, dt_h, functools.partial(coupling_mlp, params_h), n_steps, method, unroll, backward)
-
-    params_axis = 0 if per_head_params else None
-    return jax.vmap(one_head, in_axes=(-2, -2, 0, params_axis), out_axes=(-2, -2))(q, k, dt, params)
-
-
 def coupling_mlp_heads(params: Mapping[str, Array], x: Array) -> Array:
     """Per-head f on [..., H, d] with params stacked on a leading H axis: one batched matmul over heads.
 
@@ -387,24 +361,13 @@ def evolve_heads_batched(
     per_head_params: bool = False,
     backward: str = "reversible",
 ) -> tuple[Array, Array]:
-    """Same maths as `evolve_heads`, written as one batched matmul over all heads instead of a vmap over heads.
+    """Evolve every head's (q, k) with its own Δt: `integrate` on all heads at once, as one batched matmul.
 
-    q, k: [..., H, d_head]; dt: [H] broadcasts over the head axis ([H] -> [H, 1]), so f runs once on the whole
-    tensor (with per-head params: one einsum batched over H). This is the lowering the attention layer uses;
-    benchmarks/NOTES.md compares the two.
+    q, k: [B, T, H, d_head] (any [..., H, d_head]); dt: [H], broadcast over the head axis ([H] -> [H, 1]), so f
+    runs once on the whole tensor; params: coupling-MLP params (see `coupling_mlp`), shared by all heads, or with a
+    leading H axis on every leaf when `per_head_params=True` (one einsum batched over H). Returns (q_n, k_n), both
+    [..., H, d_head]. `backward`: see `integrate`. benchmarks/NOTES.md compares this lowering with a vmap over heads.
     """
     n_heads = _check_heads(q, k, dt, method, n_steps, backward)
     f = functools.partial(coupling_mlp_heads if per_head_params else coupling_mlp, params)
     return integrate(q, k, jnp.reshape(dt, (n_heads, 1)), f, n_steps, method, unroll, backward)
-
-
-def init_coupling_params(key: Array, d: int, hidden: int, dtype=jnp.float32, zero_output: bool = True) -> dict:
-    """Initialise f's params: w1 LeCun-normal, b1 = 0, w2 = 0 (or LeCun-normal), b2 = 0.
-
-    A zero output layer makes f ≡ 0 at init, so the k-update starts as the identity while the q-drift (q += Δt·k)
-    already couples the pair; the gradient reaching w2 is non-zero from the first step.
-    """
-    k1, k2 = jax.random.split(key)
-    w1 = jax.random.normal(k1, (d, hidden), dtype) / jnp.sqrt(d).astype(dtype)
-    w2 = jnp.zeros((hidden, d), dtype) if zero_output else jax.random.normal(k2, (hidden, d), dtype) / jnp.sqrt(hidden)
-    return {"w1": w1, "b1": jnp.zeros((hidden,), dtype), "w2": w2, "b2": jnp.zeros((d,), dtype)}

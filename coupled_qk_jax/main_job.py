@@ -18,7 +18,6 @@ WORKDIR/results.json. Re-running resumes or, when both runs are complete, only r
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -86,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     absl_logging.set_verbosity(absl_logging.WARNING)  # orbax logs every save at INFO
 
     from coupled_qk_jax.training import cli, loop
-    from coupled_qk_jax.training.writers import read_metrics, write_json_atomic
+    from coupled_qk_jax.training.rundir import write_json
+    from coupled_qk_jax.training.writers import read_metrics
 
     t0 = time.time()
     workdir = os.path.abspath(args.workdir)
@@ -126,11 +126,13 @@ def main(argv: list[str] | None = None) -> int:
     png = os.path.join(workdir, "loss_curves.png")
     plot({v: read_metrics(os.path.join(workdir, v)) for v in summaries}, png, args.corpus,
          args.vocab_size or build_config("standard", 1, None).model.vocab_size)
-    write_json_atomic(os.path.join(workdir, "results.json"),
-                      {"runs": json.loads(json.dumps(summaries, default=str)), "wall_seconds": time.time() - t0})
+    write_json(os.path.join(workdir, "results.json"), {"runs": summaries, "wall_seconds": time.time() - t0})
     print(f"\nloss curves: {os.path.join(args.workdir, 'loss_curves.png')}   total {time.time() - t0:.0f} s")
     return 0
 
 
 if __name__ == "__main__":
+    from coupled_qk_jax.startup import configure_process
+
+    configure_process()  # the CPU malloc settings, before JAX starts (coupled_qk_jax/startup.py)
     sys.exit(main())

@@ -19,8 +19,7 @@ weights to their stored layout and then to the compute layout (`compute_spec`: f
 them where the module runs and reduce-scatters their gradients there in the backward pass. The model applies it
 per block, so inside the layer scan one layer's weights are gathered at a time.
 
-`constrain` and `gather_weights` act only while a mesh is in context (`under_mesh`, which `jit_train_step` /
-`jit_eval_step` apply): without one (a single device, tests of the maths) they are the identity.
+`constrain` and `gather_weights` act only while a mesh is in context (`under_mesh`, which `jit_sharded` applies): without one (a single device, tests of the maths) they are the identity.
 
 Multi-host: `global_batch` turns each host's slice of the batch into one global `jax.Array`;
 `process_batch_slice` says which slice a host must load (see docs/scaling.md).
@@ -262,16 +261,11 @@ def under_mesh(fn: Callable, mesh: Mesh) -> Callable:
     return wrapped
 
 
-def abstract_state(state: Any, shardings: Any) -> Any:
-    """ShapeDtypeStructs carrying `shardings`: an orbax StandardRestore target that lands arrays directly in the
-    (possibly different) mesh's shardings, without touching device memory first."""
-    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings)
-
-
 # ---------------------------------------------------------------------------------------------------------- batches
-def batch_sharding(mesh: Mesh) -> NamedSharding:
-    """[B, T] batches: B split over (data, fsdp), T replicated."""
-    return NamedSharding(mesh, P(BATCH_AXES, None))
+def batch_sharding(mesh: Mesh, seed_axis: bool = False) -> NamedSharding:
+    """[B, T] batches: B split over (data, fsdp), T replicated. With ``seed_axis``, [S, B, T] batches of a
+    seed-parallel run (one batch per seed): S replicated, each seed's batch split as a single run's."""
+    return NamedSharding(mesh, P(*((None,) if seed_axis else ()), BATCH_AXES, None))
 
 
 def process_batch_slice(mesh: Mesh, global_batch_size: int | None = None) -> tuple[int, int]:
@@ -295,41 +289,39 @@ def process_batch_slice(mesh: Mesh, global_batch_size: int | None = None) -> tup
     return start // (stop - start), b // (stop - start)
 
 
-def global_batch(local_batch: Mapping[str, np.ndarray], mesh: Mesh) -> dict:
-    """Assemble each host's slice ([B_local, ...] per field) into one global jax.Array per field ([B, ...]).
+def global_batch(local_batch: Mapping[str, np.ndarray], mesh: Mesh, seed_axis: bool = False) -> dict:
+    """Assemble each host's slice ([B_local, ...] per field; [S, B_local, ...] with ``seed_axis``) into one global
+    jax.Array per field ([B, ...] / [S, B, ...]) in :func:`batch_sharding`.
 
     Single process: the local batch is the global batch. Multi-host: every process passes the rows that
     `process_batch_slice` assigns it; jax.make_array_from_process_local_data places them on the local devices.
     """
-    sharding = batch_sharding(mesh)
+    sharding = batch_sharding(mesh, seed_axis)
     _, count = process_batch_slice(mesh)  # the number of distinct row slices does not depend on the batch size
+    rows = 1 if seed_axis else 0  # the axis that holds the batch rows
     out = {}
     for name, value in local_batch.items():
         value = np.asarray(value)
-        global_shape = (value.shape[0] * count,) + value.shape[1:]
+        global_shape = value.shape[:rows] + (value.shape[rows] * count,) + value.shape[rows + 1:]
         out[name] = jax.make_array_from_process_local_data(sharding, value, global_shape)
     return out
 
 
 # -------------------------------------------------------------------------------------------------------- sharded jit
-def jit_train_step(train_step: Callable, state_shardings: Any, mesh: Mesh, *, with_key: bool = True,
-                   donate: bool = True) -> Callable:
-    """jax.jit(train_step) with explicit shardings: (state, batch[, key]) -> (state, metrics).
+def jit_sharded(fn: Callable, mesh: Mesh, shardings: Any, *, seed_axis: bool = False,
+                donate: bool = False) -> Callable:
+    """jax.jit of ``fn(x, batch)`` with explicit shardings, traced under the mesh (the model's per-layer FSDP
+    gathers and activation constraints, :func:`under_mesh`). The one sharded jit of training and evaluation.
 
-    The state goes in and comes out in `state_shardings` (donated: updated in place), batch fields are split over
-    (data, fsdp), the key and the metrics are replicated. Fixing the out shardings matters: left to XLA, an
-    updated parameter may come back with a different layout and force a recompile (or a reshard) on the next step.
+    ``x`` (a train state, or params) comes in ``shardings``; the batch in :func:`batch_sharding` (``seed_axis``:
+    [S, B, T]). ``donate=True`` is a train step, ``(state, batch) -> (state, metrics)``: the state is donated
+    (updated in place) and comes back in ``shardings``, the metrics replicated. Fixing the out shardings matters:
+    left to XLA, an updated parameter may come back in another layout and force a recompile (or a reshard) on the
+    next step. ``donate=False`` (evaluation): every output replicated.
     """
-    b, rep = batch_sharding(mesh), replicated(mesh)
-    in_sh = (state_shardings, b, rep) if with_key else (state_shardings, b)
-    return jax.jit(under_mesh(train_step, mesh), in_shardings=in_sh, out_shardings=(state_shardings, rep),
-                   donate_argnums=(0,) if donate else ())
-
-
-def jit_eval_step(eval_step: Callable, param_shardings: Any, mesh: Mesh) -> Callable:
-    """jax.jit(eval_step) with explicit shardings: (params, batch) -> replicated outputs."""
-    return jax.jit(under_mesh(eval_step, mesh), in_shardings=(param_shardings, batch_sharding(mesh)),
-                   out_shardings=replicated(mesh))
+    rep = replicated(mesh)
+    return jax.jit(under_mesh(fn, mesh), in_shardings=(shardings, batch_sharding(mesh, seed_axis)),
+                   out_shardings=(shardings, rep) if donate else rep, donate_argnums=(0,) if donate else ())
 
 
 # ------------------------------------------------------------------------------------------------- HLO accounting

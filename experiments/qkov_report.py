@@ -111,6 +111,15 @@ def mean_std(rows: list[dict], key: str) -> tuple[float, float]:
     return float(v.mean()), float(v.std(ddof=1)) if len(v) > 1 else float("nan")
 
 
+def commits_by_seed(rows: list[dict]) -> str:
+    """The code of each seed: "475a9af (1234); 2a0d859+dirty (1235, 1236)", commits in order of first seed."""
+    groups: dict[str, list[str]] = {}
+    for x in rows:
+        c = x["commit"][:7] + ("+dirty" if "dirty" in x["commit"] else "")
+        groups.setdefault(c, []).append(str(x["seed"]))
+    return "; ".join(f"{c} ({', '.join(seeds)})" for c, seeds in groups.items())
+
+
 def pm(m: float, s: float, f: str = "{:.3f}") -> str:
     return f.format(m) + ("" if np.isnan(s) else " ± " + f.format(s))
 
@@ -187,8 +196,7 @@ def synthetic_table(out: str, work: str, runs: dict, ref: dict) -> list[dict]:
                 "separability": pm(*mean_std(rows, "separability"), "{:.4f}"),
                 "AC": pm(*mean_std(rows, "AC"), "{:.1f}"), "dtap_modal": fmt_modal(dt),
                 "final_qk_norm": pm(*mean_std(rows, "final_qk_norm"), "{:.3g}"),
-                "commit": ",".join(sorted({x["commit"][:7] + ("+dirty" if "dirty" in x["commit"] else "")
-                                           for x in rows})),
+                "commit": commits_by_seed(rows),
                 "paper_reports": paper_text, "verdict": v})
         else:
             base.update({"paper_reports": CLAIMS[cell][1], "verdict": f"undetermined: {status}"})
@@ -457,7 +465,8 @@ def main(argv=None) -> int:
                  "(claims across cells, 95% intervals), [fixed_attention.md](fixed_attention.md) (Figure 3); "
                  "the paper's values: [paper_reference.json](paper_reference.json) (outputs saved in the authors' "
                  "notebooks); raw per-seed results: `runs/<cell>/seed<S>.json` and `_curves.csv`. The reduced "
-                 "gradient-flow ODE (Figure 4) is `ode.csv` / `ode.png` (docs/qkov.md).\n\n"
+                 "gradient-flow ODE (Figure 4) is `ode.csv` / `ode.png` (docs/qkov.md); its growth law, read off "
+                 "`ode.csv` and the curves: [growth_law.md](growth_law.md) (`python -m experiments.growth_law`).\n\n"
                  "These runs replace the scaled-down ones (10-25% of the paper's steps) of commit 1254204, "
                  "whose tables are in that commit's docs/results/qkov/synthetic.md and fixed_attention.md.\n\n")
         fh.write(f"## State of the queue ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})\n\n")
@@ -489,6 +498,10 @@ def main(argv=None) -> int:
                                      if r["seeds_done"] else "-"),
                             "verdict": r["verdict"], "commit": r.get("commit", "-")} for r in table],
                           ["cell", "setup (budget)", "seeds", "paper reports", "ours", "verdict", "commit"]))
+        if any("+dirty" in r.get("commit", "") for r in table):
+            fh.write("\n`+dirty`: those seeds ran with uncommitted changes to `coupled_qk_jax`, `configs` or "
+                     "`experiments`, and what changed was not recorded; their provenance is not clean, and a rerun "
+                     "of those seeds is needed to make it so.\n")
         fh.write("\nClaims that compare cells (difference of seed-mean test distinct-token mass, 95% Welch "
                  "interval; commits and budgets as in the rows above):\n\n")
         fh.write(md_table(comp, ["claim", "seeds", "difference", "verdict"]))

@@ -59,6 +59,7 @@ import ml_collections
 from coupled_qk_jax.errors import UserError
 from coupled_qk_jax.reporting import log
 from coupled_qk_jax.training import rundir
+from coupled_qk_jax.training.config import DataConfig
 from experiments import reports
 from experiments.corpora_prep import heterogeneous_corpus
 
@@ -346,6 +347,19 @@ def _per_seed(row: dict[str, Any], key: str) -> list[float]:
     return [float(x) for x in row.get(f"{key}/seeds", [row[key]])]
 
 
+def run_commits(history: str) -> list[str]:
+    """The code of each start and resume in a history.jsonl text, short (12 characters) but keeping the
+    ``+dirty`` mark of a tree that differed from its commit; "not recorded" for runs older than the field."""
+    out = set()
+    for e in map(json.loads, history.splitlines()):
+        if e.get("event") in ("start", "resume"):
+            c = e.get("commit", "not recorded")
+            if c not in ("not recorded", "unknown"):
+                c = c.split("+")[0][:12] + ("+dirty" if c.endswith("+dirty") else "")
+            out.add(c)
+    return sorted(out)
+
+
 def load_cell(run: Run, workdir: Path) -> dict[str, Any]:
     """One finished cell's record for ``experiments.reports``, read from its run directory."""
     from coupled_qk_jax.training.writers import read_metrics  # noqa: PLC0415
@@ -366,10 +380,7 @@ def load_cell(run: Run, workdir: Path) -> dict[str, Any]:
         "log_steps": [r["step"] for r in train_rows], "train_loss": [_per_seed(r, "train_loss") for r in train_rows],
         "log_wall": [float(r["train_seconds"]) for r in train_rows],
         "diagnostics": json.loads((workdir / "diagnostics.json").read_text()),
-        # the code of each start and resume (history.jsonl; runs started before commits were recorded lack it)
-        "commits": sorted({e.get("commit", "not recorded")[:12]
-                           for e in map(json.loads, (workdir / rundir.HISTORY).read_text().splitlines())
-                           if e.get("event") in ("start", "resume")}),
+        "commits": run_commits((workdir / rundir.HISTORY).read_text()),
     }
     if run.task == "lm":
         evals = [r for r in rows if "val_loss" in r]
@@ -494,7 +505,7 @@ def main(argv: list[str] | None = None) -> None:
         runs = [dataclasses.replace(r, config={**r.config, **{k: _value(v) for k, v in overrides.items()}})
                 for r in runs]
         if args.split_fractions:  # a string field: not parsed as a tuple literal like --set values
-            loop.corpus_spec(ml_collections.ConfigDict({"corpus": "stdlib", "split_fractions": args.split_fractions}))
+            DataConfig(split_fractions=args.split_fractions).corpus_spec()
             runs = [dataclasses.replace(r, config={**r.config, "data.split_fractions": args.split_fractions})
                     if r.task == "lm" else r for r in runs]
         for g in args.grid:
@@ -521,4 +532,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    from coupled_qk_jax.startup import configure_process
+
+    configure_process()  # the CPU malloc settings, before JAX starts (coupled_qk_jax/startup.py)
     main()

@@ -56,17 +56,17 @@ def main(argv=None) -> int:
     import numpy as np
     import orbax.checkpoint as ocp
 
-    from configs import lm
     from coupled_qk_jax import sharding as shd
     from coupled_qk_jax.config import ModelConfig
     from coupled_qk_jax.model import TransformerLM
     from coupled_qk_jax.training import optimizer, steps
+    from coupled_qk_jax.training.checkpoint import abstract_target
+    from coupled_qk_jax.training.config import TrainConfig
 
     assert jax.local_device_count() == args.local_devices, jax.local_devices()
     cfg = ModelConfig(variant="coupled_euler", vocab_size=64, max_len=16, d_model=32, n_layers=2, n_heads=4, d_ff=64,
                       coupling_hidden=8)
-    train_cfg = lm.get_config("coupled_euler,tiny").train
-    train_cfg.update(dict(steps=args.steps, warmup_steps=2, lr=1e-2))
+    train_cfg = TrainConfig(steps=args.steps, warmup_steps=2, lr=1e-2)
     model = TransformerLM(cfg, seed=0)
     graphdef, params = steps.split_model(model)
     tx = optimizer.make_optimizer(params, train_cfg)
@@ -74,7 +74,10 @@ def main(argv=None) -> int:
 
     mesh = shd.make_mesh(dict(zip(shd.MESH_AXES, map(int, args.mesh.split(",")))))
     shardings = shd.train_state_shardings(model, tx, host_state, mesh)
-    train_step = shd.jit_train_step(steps.make_train_step(graphdef, tx), shardings, mesh)
+    step_fn, base_key = steps.make_train_step(graphdef, tx), jax.random.key(7)
+    # The key of step s is fold_in(base_key, s), derived inside the step from the state's step as the loop does.
+    train_step = shd.jit_sharded(lambda state, batch: step_fn(state, batch, jax.random.fold_in(base_key, state["step"])),
+                                 mesh, shardings, donate=True)
     index, count = shd.process_batch_slice(mesh, args.batch)
     rows = args.batch // count
 
@@ -84,11 +87,11 @@ def main(argv=None) -> int:
         return shd.global_batch({"inputs": mine[:, :-1], "targets": mine[:, 1:]}, mesh)
 
     if args.phase == "eval":
-        from coupled_qk_jax.training.evaluate import evaluate_tokens, make_sharded_eval_step
+        from coupled_qk_jax.training.evaluate import evaluate_tokens
 
         tokens = np.random.default_rng(99).integers(0, cfg.vocab_size, 1000).astype(np.int32)
         params = jax.device_put(params, shardings["params"])
-        eval_step = make_sharded_eval_step(graphdef, shardings["params"], mesh)
+        eval_step = shd.jit_sharded(steps.make_eval_step(graphdef), mesh, shardings["params"])
         result = evaluate_tokens(eval_step, params, tokens, 16, args.batch, mesh, bos_id=0)
         print(f"EVAL {float(result['loss']).hex()} {result['tokens']}", flush=True)
         print(f"DONE {jax.process_index()} {jax.process_count()} {jax.device_count()}", flush=True)
@@ -103,16 +106,15 @@ def main(argv=None) -> int:
     else:
         latest = mngr.latest_step()
         assert latest == args.save_at, f"latest checkpoint {latest}, expected {args.save_at}"
-        state = mngr.restore(latest, args=ocp.args.StandardRestore(shd.abstract_state(host_state, shardings)))
+        state = mngr.restore(latest, args=ocp.args.StandardRestore(abstract_target(host_state, shardings)))
         restored_step = int(np.asarray(state["step"].addressable_data(0)))
         assert restored_step == latest, restored_step
         wq = state["params"]["blocks"][0]["attn"]["wq"]
         assert wq.sharding.is_equivalent_to(shardings["params"]["blocks"][0]["attn"]["wq"], wq.ndim)
         first = latest + 1
 
-    base_key = jax.random.key(7)
     for step in range(first, args.steps + 1):
-        state, metrics = train_step(state, batch_for(step), jax.random.fold_in(base_key, step))
+        state, metrics = train_step(state, batch_for(step))
         loss = float(np.asarray(metrics["loss"].addressable_data(0)))
         print(f"LOSS {step} {loss.hex()}", flush=True)
         if args.phase == "train" and step == args.save_at:

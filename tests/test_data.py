@@ -20,6 +20,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from coupled_qk_jax.errors import UserError
+
 from coupled_qk_jax.data.corpora import (
     SPLITS, CorpusError, CorpusSpec, ReadStats, carve_fractions, iter_documents, list_files, split_of)
 from coupled_qk_jax.data.pipeline import (
@@ -338,6 +340,84 @@ def test_token_cache_rebuilds_when_corpus_changes(tmp_path: Path):
     second = build_token_cache(spec, tmp_path / "cache", tokenizer="byte", vocab_size=257)
     assert second.directory == first.directory
     assert second.manifest["splits"]["train"]["tokens"] == n0 + len("extra document\n") + 1
+
+
+FINAL_NAMES = ("tokenizer.json", "train.bin", "validation.bin", "test.bin", "manifest.json")  # in writing order
+
+
+def _entry_files(cache_root: Path) -> dict[str, list[str]]:
+    """{entry directory: sorted file names} under CACHE/tokens, temporary files included."""
+    return {d.name: sorted(f.name for f in d.iterdir()) for d in (cache_root / "tokens").iterdir() if d.is_dir()}
+
+
+def test_token_cache_crash_mid_file_leaves_nothing_under_a_final_name(corpus_dir: Path, tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch):
+    """The tokeniser fails after part of train.bin is on disk (at its third chunk of documents): no train.bin, no
+    manifest and no temporary file remain. Positive controls: the partial file did exist, under its temporary name,
+    when the fault struck, and the same build without the fault completes."""
+    from coupled_qk_jax.data import token_cache
+
+    monkeypatch.setattr(token_cache, "_ENCODE_CHUNK_BYTES", 2000)  # many chunks per split
+    real, calls, partial = ByteTokenizer.encode_batch, [], []
+
+    def crash_at_third_chunk(self, texts):
+        calls.append(len(texts))
+        if len(calls) == 3:
+            partial.extend((p.name, p.stat().st_size) for p in (tmp_path / "tokens").rglob("*train.bin*"))
+            raise OSError("simulated crash while tokenising")
+        return real(self, texts)
+
+    monkeypatch.setattr(ByteTokenizer, "encode_batch", crash_at_third_chunk)
+    with pytest.raises(OSError, match="simulated crash"):
+        build_token_cache(_spec(corpus_dir), tmp_path, tokenizer="byte", vocab_size=257)
+    assert len(partial) == 1 and partial[0][0].startswith(".train.bin.tmp") and partial[0][1] > 0, partial
+    assert list(_entry_files(tmp_path).values()) == [[]]  # nothing under a final name, no temporary file
+    monkeypatch.setattr(ByteTokenizer, "encode_batch", real)
+    cache = build_token_cache(_spec(corpus_dir), tmp_path, tokenizer="byte", vocab_size=257)
+    assert sorted(p.name for p in cache.directory.iterdir()) == sorted(FINAL_NAMES[1:])
+
+
+@pytest.mark.parametrize("crash_at", range(len(FINAL_NAMES) + 1))
+def test_token_cache_crash_before_a_rename_leaves_no_partial_entry(corpus_dir: Path, bpe: BPETokenizer,
+                                                                    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                    crash_at: int):
+    """Each file is fsynced just before its rename: a crash there (the bytes written, not yet in place) leaves
+    the earlier files complete under their final names, nothing of this one (its temporary file removed) and no
+    manifest, so the entry counts as absent. A rebuild over a complete entry first removes its manifest:
+    failing half-way it leaves an incomplete entry, never the old manifest over new files. crash_at = 5: no crash
+    (the positive control: every file in place)."""
+    from coupled_qk_jax.data.token_cache import find_token_cache
+
+    bpe.save(tmp_path / "given.json")
+    kwargs = dict(tokenizer="bpe", vocab_size=320, tokenizer_path=str(tmp_path / "given.json"))
+    complete = build_token_cache(_spec(corpus_dir), tmp_path / "cache", **kwargs)
+    assert find_token_cache(_spec(corpus_dir), tmp_path / "cache", **kwargs) is not None
+    real_fsync, calls = os.fsync, []
+
+    def fsync(fd):
+        calls.append(fd)
+        if len(calls) == crash_at + 1:
+            raise OSError("simulated crash before the rename")
+        return real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    for root, extra in ((tmp_path / "fresh", {}), (tmp_path / "cache", {"rebuild": True})):
+        calls.clear()
+        if crash_at < len(FINAL_NAMES):
+            # the manifest goes through rundir.write_json, which names the file in a one-line UserError
+            with pytest.raises((OSError, UserError), match="simulated crash"):
+                build_token_cache(_spec(corpus_dir), root, **kwargs, **extra)
+        else:
+            build_token_cache(_spec(corpus_dir), root, **kwargs, **extra)
+        names = list(_entry_files(root).values())[0]
+        if root.name == "fresh":
+            assert names == sorted(FINAL_NAMES[:crash_at])  # the files renamed before the crash, nothing else
+        else:  # the old entry's files stay, but without a manifest unless the rebuild finished
+            expected = set(FINAL_NAMES) - ({"manifest.json"} if crash_at < len(FINAL_NAMES) else set())
+            assert names == sorted(expected)
+        found = find_token_cache(_spec(corpus_dir), root, **kwargs)
+        assert (found is not None) == (crash_at == len(FINAL_NAMES))
+    assert complete.directory.name == list(_entry_files(tmp_path / "cache"))[0]
 
 
 def test_token_cache_vocab_mismatch(corpus_dir: Path, bpe: BPETokenizer, tmp_path: Path):

@@ -125,10 +125,11 @@ def test_report_from_checkpoint(tmp_path):
     from coupled_qk_jax.model import TransformerLM
     from coupled_qk_jax.training.steps import split_model
     from coupled_qk_jax.data.token_cache import build_token_cache
+    from coupled_qk_jax.training.config import DataConfig
 
     graphdef, _ = split_model(TransformerLM(loop.model_config(cfg), 0))
     params = jax.tree.map(lambda x: np.asarray(jax.device_get(x)), state["params"])
-    cache = build_token_cache(loop.corpus_spec(cfg.data), cfg.data.cache_dir, tokenizer="byte", vocab_size=257)
+    cache = build_token_cache(DataConfig.from_dict(cfg.data).corpus_spec(), cfg.data.cache_dir, tokenizer="byte", vocab_size=257)
     b = next(iter(eval_batches(cache.tokens("validation"), 32, 4, bos_id=cache.eot_id)))
     ref = compute_diagnostics(nnx.merge(graphdef, params), b["inputs"][(b["targets"] != -100).all(axis=1)])
     for k, v in ref["model_mean"].items():

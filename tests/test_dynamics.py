@@ -18,6 +18,16 @@ def random_params(seed, d=D, h=H_HIDDEN, lead=()):
             "w2": rng.normal(size=lead + (h, d)) / np.sqrt(h), "b2": 0.3 * rng.normal(size=lead + (d,))}
 
 
+def vmap_over_heads(q, k, dt, params, n_steps, method, per_head_params=False, backward="reversible"):
+    """A second lowering of dynamics.evolve_heads_batched, the reference it is checked against: `integrate` per
+    head, mapped over the head axis with jax.vmap (params with a leading H axis when per_head_params)."""
+    def one_head(q_h, k_h, dt_h, params_h):
+        f = functools.partial(dynamics.coupling_mlp, params_h)
+        return dynamics.integrate(q_h, k_h, dt_h, f, n_steps, method, backward=backward)
+
+    return jax.vmap(one_head, in_axes=(-2, -2, 0, 0 if per_head_params else None), out_axes=(-2, -2))(q, k, dt, params)
+
+
 def np_f(p, x):  # float64 reference of the coupling MLP
     z = x @ p["w1"] + p["b1"]
     return (z / (1 + np.exp(-z))) @ p["w2"] + p["b2"]
@@ -101,30 +111,29 @@ def test_leapfrog_is_time_reversible():
 
 @pytest.mark.parametrize("per_head", [False, True])
 @pytest.mark.parametrize("method", dynamics.METHODS)
-def test_evolve_heads_equals_loop_over_heads(method, per_head):
+def test_evolve_heads_batched_equals_loop_over_heads(method, per_head):
     b, t, h = 2, 3, 4
     rng = np.random.default_rng(7)
     q, k = f32(rng.normal(size=(b, t, h, D))), f32(rng.normal(size=(b, t, h, D)))
     dt = f32(rng.uniform(0.05, 0.3, size=h))
     p = f32(random_params(8, lead=(h,) if per_head else ()))
-    qe, ke = dynamics.evolve_heads(q, k, dt, p, 2, method, per_head_params=per_head)
+    qe, ke = dynamics.evolve_heads_batched(q, k, dt, p, 2, method, per_head_params=per_head)
     for head in range(h):
         ph = jax.tree.map(lambda a: a[head], p) if per_head else p
         qh, kh = dynamics.integrate(q[:, :, head], k[:, :, head], dt[head],
                                     functools.partial(dynamics.coupling_mlp, ph), 2, method)
         np.testing.assert_allclose(qe[:, :, head], qh, rtol=1e-6, atol=1e-6)
         np.testing.assert_allclose(ke[:, :, head], kh, rtol=1e-6, atol=1e-6)
-    if not per_head:  # the batched-over-heads lowering computes the same thing
-        qb, kb = dynamics.evolve_heads_batched(q, k, dt, p, 2, method)
-        np.testing.assert_allclose(qb, qe, rtol=1e-5, atol=1e-6)
-        np.testing.assert_allclose(kb, ke, rtol=1e-5, atol=1e-6)
+    qv, kv = vmap_over_heads(q, k, dt, p, 2, method, per_head_params=per_head)  # the vmap lowering agrees
+    np.testing.assert_allclose(qv, qe, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(kv, ke, rtol=1e-5, atol=1e-6)
 
 
 # ------------------------------------------------------------------------------------- the reversible backward pass
 B_, T_, H_ = 2, 3, 4
 # (lowering, n_steps, per_head_params) cases compared in one compiled program per backward mode
 GRAD_CASES = [("batched", 1, True), ("batched", 3, False), ("batched", 7, True), ("vmap", 3, True)]
-LOWERINGS = {"batched": dynamics.evolve_heads_batched, "vmap": dynamics.evolve_heads}
+LOWERINGS = {"batched": dynamics.evolve_heads_batched, "vmap": vmap_over_heads}
 
 
 def _grad_case(seed, per_head):
@@ -244,7 +253,7 @@ def test_bad_arguments_raise_named_errors():
     with pytest.raises(ValueError, match="n_steps"):
         dynamics.integrate(q, q, 0.1, lambda x: x, 0, "euler")
     with pytest.raises(ValueError, match="dt"):
-        dynamics.evolve_heads(q, q, jnp.zeros(2), random_params(0, d=4), 1, "euler")
+        dynamics.evolve_heads_batched(q, q, jnp.zeros(2), random_params(0, d=4), 1, "euler")
     with pytest.raises(ValueError, match="backward"):
         dynamics.integrate(q, q, 0.1, lambda x: x, 1, "euler", backward="adjoint")
 

@@ -6,21 +6,21 @@ import json
 import os
 import subprocess
 
-import ml_collections
 import numpy as np
 import pytest
 
 from coupled_qk_jax.errors import UserError
 from coupled_qk_jax.training import loop, rundir
+from coupled_qk_jax.training.config import EarlyStopConfig
 from coupled_qk_jax.training.early_stop import EarlyStop
 from coupled_qk_jax.training.writers import read_metrics
 from test_training import tiny_config
 
 
 def _rule(num_seeds: int = 1, **fields) -> EarlyStop:
-    train = ml_collections.ConfigDict({"eval_every": 10, "early_stop": {"metric": "valid/accuracy", "mode": "max",
-                                       "patience": 0, "min_delta": 0.0, "threshold": None, **fields}})
-    return EarlyStop.from_config(train, num_seeds, ("valid/accuracy", "valid/loss"))
+    rule = EarlyStopConfig(**{"metric": "valid/accuracy", "mode": "max", "patience": 0, "min_delta": 0.0,
+                              "threshold": None, **fields})
+    return EarlyStop.from_config(rule, num_seeds, ("valid/accuracy", "valid/loss"))
 
 
 def _stop_step(rule: EarlyStop, trajectory: list) -> int | None:
@@ -73,7 +73,7 @@ def test_seeds_are_judged_apart_and_the_run_stops_when_all_have():
 def test_wrong_settings_are_one_line_user_errors(fields, message):
     with pytest.raises(UserError, match=message):
         _rule(**fields)
-    assert EarlyStop.from_config(ml_collections.ConfigDict({"eval_every": 0}), 1, ()) is None  # no block: off
+    assert EarlyStop.from_config(EarlyStopConfig(), 1, ()) is None  # no metric: off
 
 
 def test_loop_stops_on_plateau_resumes_to_the_same_step_and_trains_no_further(tmp_path):

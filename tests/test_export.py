@@ -24,6 +24,7 @@ from coupled_qk_jax.data.tokenizer import BPETokenizer
 from coupled_qk_jax.export import ExportError, flatten_params, load_exported
 from coupled_qk_jax.training import loop
 from coupled_qk_jax.training.run import Run
+from coupled_qk_jax.training.config import RunConfig
 from test_training import tiny_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -53,7 +54,7 @@ def run(tmp_path_factory):
 def test_tokenizer_smaller_than_vocab_trains(run):
     _, cfg, _, _, summary = run
     assert np.isfinite(summary["train_loss"]) and np.isfinite(summary["val_loss"])
-    cache = loop.load_data(cfg, loop.model_config(cfg))
+    cache = loop.load_data(RunConfig.from_configdict(cfg))
     assert cache.vocab_size == TOKENIZER_VOCAB < MODEL_VOCAB
     for split in ("train", "validation"):  # the padding ids 300..319 never occur in the data
         assert int(np.max(cache.tokens(split))) < TOKENIZER_VOCAB

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from coupled_qk_jax import main_job
 from coupled_qk_jax.data.corpora import CorpusSpec
-from coupled_qk_jax.training import loop
+from coupled_qk_jax.training.config import DataConfig
 from test_training import write_corpus
 
 
 def test_corpus_flags_reach_the_config(tmp_path):
     cfg = main_job.build_config("coupled_euler", 40, str(tmp_path), f"text_dir:{tmp_path}", "0.8,0.1,0.1", 512)
-    assert loop.corpus_spec(cfg.data) == CorpusSpec("text_dir", path=str(tmp_path), split_fractions=(0.8, 0.1, 0.1))
+    assert DataConfig.from_dict(cfg.data).corpus_spec() == CorpusSpec("text_dir", path=str(tmp_path), split_fractions=(0.8, 0.1, 0.1))
     assert cfg.model.vocab_size == 512 and cfg.train.steps == 40 and cfg.data.cache_dir == str(tmp_path)
     assert main_job.build_config("standard", 40, None).data.corpus == "stdlib"
 

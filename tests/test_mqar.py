@@ -11,13 +11,11 @@ from coupled_qk_jax.data import mqar
 from coupled_qk_jax.data.mqar import (
     IGNORE_INDEX,
     LEVELS,
-    PRESETS,
     MQARAccuracy,
+    MQARMix,
     MQARSegment,
-    grain_dataset,
     make_batches,
     make_segments,
-    mqar_accuracy,
     multiquery_ar,
     per_example_accuracy,
     segment_seeds,
@@ -283,27 +281,30 @@ def test_segment_validates_on_construction():
         make_segments([(64, 4)], [])
 
 
-def test_levels_and_presets():
+# Zoology's standard sweep (experiments/mqar_example_configs/original_mqar_configs.py), spec §6: a mix of several
+# segments per split.
+ZOOLOGY_TRAIN = ((64, 4, 100_000), (128, 8, 20_000), (256, 16, 20_000), (256, 32, 20_000), (256, 64, 20_000))
+ZOOLOGY_TEST = ((64, 4, 1_000), (64, 8, 1_000), (64, 16, 1_000), (128, 32, 1_000), (256, 64, 1_000),
+                (512, 128, 1_000), (1024, 256, 1_000))
+
+
+def test_levels_and_mixes():
     assert set(LEVELS) == {"easy", "medium", "hard"}
     assert [(lv.seq_len, lv.num_kv_pairs) for lv in LEVELS.values()] == [(64, 4), (128, 8), (256, 16)]
     for name, level in LEVELS.items():
-        mix = PRESETS[name]
+        mix = level.mix()
         train, test = mix.segments()
         assert (train[0].L, train[0].N, train[0].num_examples) == (level.seq_len, level.num_kv_pairs, level.num_train)
         assert test[0].num_examples == level.num_test and not train[0].fillers
         small = MQARSegment(L=level.seq_len, N=level.num_kv_pairs, num_examples=2, seed=1,
                             vocab_size=level.vocab_size)
         assert small.generate()[0].shape == (2, level.seq_len)
-    std = PRESETS["zoology_standard"]
-    assert std.train == ((64, 4, 100_000), (128, 8, 20_000), (256, 16, 20_000), (256, 32, 20_000), (256, 64, 20_000))
-    assert [t[:2] for t in std.test] == [(64, 4), (64, 8), (64, 16), (128, 32), (256, 64), (512, 128), (1024, 256)]
+    std = MQARMix("zoology_standard", ZOOLOGY_TRAIN, ZOOLOGY_TEST)  # zoology's defaults: V 8192, fillers on
     assert std.fillers and std.vocab_size == 8192 and std.max_seq_len == 1024
-    assert not PRESETS["zoology_standard_no_fillers"].fillers
-    # Every preset's segments satisfy the constraints (MQARSegment validates on construction).
-    for mix in PRESETS.values():
-        mix.segments()
-    with pytest.raises(ValueError, match="unknown MQAR preset"):
-        mqar.get_mix("nope")
+    train, test = std.segments()  # every segment satisfies the constraints (MQARSegment validates on construction)
+    assert [(s.L, s.N, s.num_examples) for s in train] == list(ZOOLOGY_TRAIN)
+    assert [(s.L, s.N) for s in test] == [t[:2] for t in ZOOLOGY_TEST]
+    assert len({s.seed for s in train + test}) == len(train) + len(test)  # one seed per segment
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -349,21 +350,35 @@ def test_batches_without_padding_and_errors():
         make_batches([seg], batch_size=0)
 
 
-def test_grain_dataset_preserves_order_and_epochs():
-    seg = MQARSegment(L=16, N=2, num_examples=6, seed=3, vocab_size=64)
-    batches = make_batches([seg], batch_size=4)
-    ds = grain_dataset(batches)
-    assert len(ds) == 2
-    got = list(ds.repeat(2).to_iter_dataset())
-    assert len(got) == 4
-    for i, b in enumerate(got):
-        np.testing.assert_array_equal(b["inputs"], batches[i % 2]["inputs"])
-        np.testing.assert_array_equal(b["mask"], batches[i % 2]["mask"])
+def test_training_replays_the_batches_in_order_every_epoch():
+    """The MQAR task's training dataset (what the loop trains on): batch i of every epoch is stored batch i, for any
+    seed, with the labels as the targets."""
+    from configs import mqar as mqar_config
+    from coupled_qk_jax.training.config import RunConfig
+    from coupled_qk_jax.training.tasks import MQARTask
+
+    cfg = mqar_config.get_config("standard,easy")
+    cfg.mqar.update(num_train=96, num_test=8)
+    cfg.train.batch_size = 32
+    task = MQARTask(RunConfig.from_configdict(cfg), batch_devices=1)
+    assert len(task.train) == 3
+    for seed in (0, 5):
+        ds = task.train_dataset(seed, 0, 1)
+        for i in range(7):
+            np.testing.assert_array_equal(ds[i]["inputs"], task.train[i % 3]["inputs"])
+            np.testing.assert_array_equal(ds[i]["targets"], task.train[i % 3]["labels"])
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Metric (spec §8)
 # ---------------------------------------------------------------------------------------------------------------
+
+
+def mqar_accuracy(x, labels) -> dict[str, float]:
+    """The metric of one array of examples."""
+    meter = MQARAccuracy()
+    meter.update(x, labels)
+    return meter.compute()
 
 
 def _one_hot_logits(preds: np.ndarray, V: int) -> np.ndarray:

@@ -19,6 +19,8 @@ import pytest
 from conftest import xla_flags
 from coupled_qk_jax import distributed
 
+# Processes with several CPU devices each: in the mesh lane (conftest.py), beside the main session.
+pytestmark = pytest.mark.mesh
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "multihost_worker.py"
 TIMEOUT_S = 240
@@ -182,11 +184,6 @@ def test_initialize_is_a_no_op_for_one_process(monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------ train.py end to end
-_BOOT = ("import runpy, sys; from coupled_qk_jax.distributed import initialize_distributed; "
-         "initialize_distributed(initialization_timeout=60); sys.argv = sys.argv[1:]; "
-         "runpy.run_path(sys.argv[0], run_name='__main__')")
-
-
 def _train_cmd(workdir: pathlib.Path, corpus: pathlib.Path, cache: pathlib.Path) -> list[str]:
     args = [str(ROOT / "train.py"), "--config=configs/lm.py:coupled_euler,tiny", f"--workdir={workdir}",
             "--config.model.vocab_size=264", "--config.model.d_model=32", "--config.model.n_layers=2",
@@ -197,10 +194,7 @@ def _train_cmd(workdir: pathlib.Path, corpus: pathlib.Path, cache: pathlib.Path)
             "--config.train.steps=4", "--config.train.batch_size=8", "--config.train.warmup_steps=2",
             "--config.train.log_every=1", "--config.train.eval_every=0", "--config.train.eval_batches=1",
             "--config.checkpoint.every=2", "--config.mesh.data=1", "--config.mesh.fsdp=-1", "--config.mesh.tensor=2"]
-    # train.py joins the cluster itself once it calls initialize_distributed; until then a two-line bootstrap does.
-    if "initialize_distributed" in (ROOT / "train.py").read_text():
-        return [sys.executable] + args
-    return [sys.executable, "-c", _BOOT] + args
+    return [sys.executable] + args  # train.py joins the cluster itself (distributed.initialize_distributed)
 
 
 def _train_losses(workdir: pathlib.Path) -> dict[int, float]:
@@ -217,9 +211,9 @@ def _train_losses(workdir: pathlib.Path) -> dict[int, float]:
 def test_train_py_two_processes_matches_one_process(tmp_path):
     """`train.py` itself: 2 processes x 2 CPU devices (mesh fsdp=2 across the processes, tensor=2) vs 1 process x
     4 devices. Each host reads its own interleaved windows, so the global batch holds the same rows in another
-    order: losses agree to fp32 summation order, not bit for bit."""
-    if not (ROOT / "train.py").exists():
-        pytest.skip("train.py is not there yet")
+    order: losses agree to fp32 summation order, not bit for bit. The two processes share one token cache
+    directory: process 0 tokenises into it (and says so), process 1 waits and reads it; the 1-process run, with a
+    cache of its own, is the positive control for the "tokenising" line."""
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
@@ -237,8 +231,7 @@ def test_train_py_two_processes_matches_one_process(tmp_path):
         for pid in range(2):
             cluster = {distributed.ENV_COORDINATOR: f"127.0.0.1:{port}", distributed.ENV_NUM_PROCESSES: "2",
                        distributed.ENV_PROCESS_ID: str(pid)}
-            # Separate token caches: two processes building one cache directory at once would race.
-            procs.append(subprocess.Popen(_train_cmd(tmp_path / "two", corpus, tmp_path / f"cache{pid}"), cwd=ROOT,
+            procs.append(subprocess.Popen(_train_cmd(tmp_path / "two", corpus, tmp_path / "cache_two"), cwd=ROOT,
                                           env=_env(2, cluster), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                           text=True))
     finally:
@@ -249,3 +242,11 @@ def test_train_py_two_processes_matches_one_process(tmp_path):
     for step in one:
         assert two[step] == pytest.approx(one[step], rel=1e-5), (step, one, two)
     assert (tmp_path / "two" / "checkpoints").is_dir()
+    tokenised = [[line for line in out.splitlines() if line.startswith("tokenising ")] for out in outs]
+    assert len(tokenised[0]) == 1, outs[0][-3000:]  # the 1-process run tokenised into its own cache
+    assert len(tokenised[1]) == 1 and tokenised[1][0].endswith("(process 0)"), outs[1][-3000:]
+    assert tokenised[2] == [], outs[2][-3000:]  # process 1 read process 0's entry
+    # One entry, the 1-process run's key, complete and nothing else (the shared-storage probe file is removed).
+    entries = list((tmp_path / "cache_two" / "tokens").iterdir())
+    assert [e.name for e in entries] == [e.name for e in (tmp_path / "cache_one" / "tokens").iterdir()], entries
+    assert sorted(f.name for f in entries[0].iterdir()) == ["manifest.json", "test.bin", "train.bin", "validation.bin"]

@@ -83,20 +83,6 @@ def test_nonfinite_step_is_exact_without_per_step_syncs(tmp_path):
         loop.train(cfg, str(tmp_path / "run"), progress=False)
 
 
-def test_mapped_allocator_reads_proc_maps_lines():
-    # /proc/PID/maps lines as the kernel writes them (address, perms, offset, dev, inode, path); hand-written.
-    glibc = ("7f0a1c000000-7f0a1c021000 r--p 00000000 08:01 131 /usr/lib/x86_64-linux-gnu/libc.so.6\n"
-             "7ffd5e1f0000-7ffd5e211000 rw-p 00000000 00:00 0                          [stack]\n"
-             "7f0a1d000000-7f0a1d001000 rw-p 00000000 00:00 0\n")
-    assert observe.mapped_allocator(glibc) is None
-    tc = glibc + "7f0a1e000000-7f0a1e040000 r-xp 00000000 08:01 977 /usr/lib/x86_64-linux-gnu/libtcmalloc.so.4.5.10\n"
-    assert observe.mapped_allocator(tc) == "libtcmalloc"
-    je = glibc + "7f0a1e000000-7f0a1e040000 r-xp 00000000 08:01 977 /usr/lib/x86_64-linux-gnu/libjemalloc.so.2\n"
-    assert observe.mapped_allocator(je) == "libjemalloc"
-    # a path that merely contains the name in a directory is not the allocator
-    assert observe.mapped_allocator(glibc + "7f0a-7f0b r--p 0 08:01 5 /opt/libtcmalloc-src/notes.txt.so\n") is None
-
-
 def test_compilation_cache_directory(tmp_path, monkeypatch):
     """The test session's cache is conftest's temporary directory (the user's ~/.cache is never touched); without
     JAX_COMPILATION_CACHE_DIR the default is DEFAULT_COMPILATION_CACHE under the home directory, created on demand;

@@ -52,10 +52,10 @@ def trained_looking_params(cfg: ModelConfig) -> dict:
 
 @functools.cache
 def grad_fn(cfg: ModelConfig):
-    """The jitted gradient of the mean loss on BATCH, one per config (compiled once, reused by every call)."""
+    """The jitted (mean loss, gradient) on BATCH, one per config (compiled once, reused by every call)."""
     graphdef, _ = steps.split_model(nnx.eval_shape(lambda: TransformerLM(cfg, 0)))
     loss_fn = steps.make_loss_fn(graphdef)
-    return jax.jit(jax.grad(lambda p: loss_fn(p, BATCH)[0]))
+    return jax.jit(jax.value_and_grad(lambda p: loss_fn(p, BATCH)[0]))
 
 
 def norm_ratio(a, b) -> float:
@@ -82,12 +82,19 @@ def fp32_reference(variant: str) -> tuple[dict, list[str], list[np.ndarray], np.
     unscanned fp32 model."""
     cfg = model_config(variant)
     params = trained_looking_params(cfg)
-    paths, g32 = zip(*jax.tree_util.tree_flatten_with_path(grad_fn(cfg)(params))[0])
+    loss, grads = grad_fn(cfg)(params)
+    paths, g32 = zip(*jax.tree_util.tree_flatten_with_path(grads)[0])
+    # The reference itself must be sound: finite, float32 (params stay float32), and the loss of a model this close
+    # to init near log(V), the loss of a uniform prediction.
+    loss = float(loss)
+    assert np.isfinite(loss) and abs(loss - np.log(cfg.vocab_size)) < 1.0, (variant, loss)
+    for path, g in zip(paths, g32):
+        assert g.dtype == jnp.float32 and np.all(np.isfinite(np.asarray(g))), (variant, jax.tree_util.keystr(path))
     moves = []
     for seed in FLOOR_SEEDS:
         rng = np.random.default_rng(seed)
         moved = jax.tree.map(lambda x: x * (1 + jnp.asarray(rng.uniform(-HALF_ULP, HALF_ULP, x.shape))), params)
-        moves.append([norm_ratio(a, b) - 1 for a, b in zip(g32, jax.tree.leaves(grad_fn(cfg)(moved)))])
+        moves.append([norm_ratio(a, b) - 1 for a, b in zip(g32, jax.tree.leaves(grad_fn(cfg)(moved)[1]))])
     sigma = np.sqrt(np.mean(np.square(moves), axis=0))
     return params, [jax.tree_util.keystr(p) for p in paths], [np.asarray(g) for g in g32], sigma
 
@@ -103,7 +110,7 @@ CASES = ([(v, "auto", False) for v in ALL_VARIANTS]
 def test_bf16_gradients_match_fp32_for_every_leaf(variant, impl, scan):
     params, names, g32, sigma = fp32_reference(variant)
     cfg = model_config(variant, dtype="bfloat16", attention_impl=impl, scan_layers=scan)
-    g16 = grad_fn(cfg)(to_scanned(params) if scan else params)
+    g16 = grad_fn(cfg)(to_scanned(params) if scan else params)[1]
     g16 = jax.tree.leaves(to_unscanned(g16) if scan else g16)  # per layer, in the unscanned leaves' order
     assert [x.shape for x in g16] == [x.shape for x in g32]
     failures = []
@@ -111,6 +118,7 @@ def test_bf16_gradients_match_fp32_for_every_leaf(variant, impl, scan):
     for name, a, b, sig in zip(names, g32, g16, sigma):
         assert b.dtype == jnp.float32  # parameters, hence their gradients, stay float32
         a, b = np.asarray(a, np.float64).ravel(), np.asarray(b, np.float64).ravel()
+        assert np.all(np.isfinite(a)), f"{name}: non-finite fp32 reference gradient"
         assert np.linalg.norm(a) > 0, f"{name}: zero fp32 gradient, nothing to compare"
         cos = a @ b / (np.linalg.norm(a) * np.linalg.norm(b))
         ratio, tol = norm_ratio(a, b), max(0.05, 3 * sig)

@@ -475,3 +475,13 @@ def test_report_welch_interval_and_verdict_rules():
     weak = {"dtap_percent": np.roll(P, -3, axis=0).tolist(), "acc": 100.0}  # mode at mass [0.2, 0.4)
     assert rep.verdict("fafo_r20", [weak], {"cells": {}})[0] == "**does not reproduce** (claim)"
     assert rep.verdict("fafo_r1", [weak], {"cells": {}})[0] == "**reproduces** (claim)"
+
+
+def test_report_names_the_commit_of_each_seed():
+    sys.path.insert(0, os.path.join(REPO, "experiments"))
+    import qkov_report as rep
+
+    rows = [{"seed": 1234, "commit": "475a9af" + "0" * 33}, {"seed": 1235, "commit": "2a0d859" + "1" * 33 + "+dirty"},
+            {"seed": 1236, "commit": "2a0d859" + "1" * 33 + "+dirty"}]
+    assert rep.commits_by_seed(rows) == "475a9af (1234); 2a0d859+dirty (1235, 1236)"
+    assert rep.commits_by_seed(rows[:1]) == "475a9af (1234)"

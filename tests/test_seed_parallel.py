@@ -72,6 +72,28 @@ def test_replica_i_is_the_single_run_with_seed_i(runs):
     assert par_summary["val_loss/std"] == pytest.approx(vals.std(ddof=1))
 
 
+@pytest.mark.mesh
+def test_replica_i_is_the_single_run_with_seed_i_on_a_mesh(tmp_path):
+    """The seed axis on a (data=2, fsdp=2, tensor=2) mesh: each seed's batch and params are split over the mesh
+    exactly as a single run's, so replica 1 is the single run with seed 1 on the same mesh (the mesh subprocess's 8
+    CPU devices). Tolerance as above."""
+    steps = 3
+    par_cfg = tiny_config(tmp_path, steps=steps, num_seeds=2)
+    single_cfg = tiny_config(tmp_path, steps=steps, seed=1)
+    for cfg in (par_cfg, single_cfg):
+        cfg.mesh.update(data=2, fsdp=2, tensor=2)
+        cfg.model.vocab_size = 258  # the byte tokenizer's 257 + one padding id, so tensor=2 splits the vocabulary
+    par_summary, par_state = loop.train(par_cfg, str(tmp_path / "par"), progress=False, return_state=True)
+    summary, state = loop.train(single_cfg, str(tmp_path / "seed1"), progress=False, return_state=True)
+    assert par_summary["mesh"] == {"data": 2, "fsdp": 2, "tensor": 2} == summary["mesh"]
+    np.testing.assert_allclose(_losses(tmp_path / "par")[:, 1], _losses(tmp_path / "seed1")[:, 0], rtol=1e-5)
+    par_leaves, single = leaves_with_names(par_state), leaves_with_names(state)
+    assert single.keys() == par_leaves.keys()
+    for name, value in single.items():
+        np.testing.assert_allclose(par_leaves[name][1], value, rtol=0, atol=1e-6, err_msg=name)
+    assert not np.allclose(_losses(tmp_path / "par")[:, 0], _losses(tmp_path / "par")[:, 1])
+
+
 def test_seed_parallel_with_scanned_layers(runs):
     """train.num_seeds=2 with model.scan_layers=True (the default from 60m up): jax.vmap over the seed axis of the
     lax.scan over stacked layers, each layer under jax.checkpoint, dropout on. Replica 1 is the single run with seed
@@ -103,10 +125,10 @@ def test_sigkill_mid_run_then_resume_is_bitwise(runs):
     script = (
         "import sys, time, pathlib\n"
         f"sys.path[:0] = [{ROOT!r}, {os.path.join(ROOT, 'tests')!r}]\n"
-        "from coupled_qk_jax.training import loop, tasks\n"
+        "from coupled_qk_jax.training import loop\n"
         "from test_seed_parallel import _cfg\n"
-        "batch = tasks.global_seed_batch\n"
-        "tasks.global_seed_batch = lambda *a: (time.sleep(0.3), batch(*a))[1]\n"
+        "batch = loop.next_batch\n"
+        "loop.next_batch = lambda *a: (time.sleep(0.3), batch(*a))[1]\n"
         f"loop.train(_cfg(pathlib.Path({str(root)!r}), num_seeds=2), {str(workdir)!r}, progress=False)\n")
     proc = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)

@@ -12,7 +12,7 @@ import signal
 import numpy as np
 import pytest
 
-from coupled_qk_jax.training import loop, tasks
+from coupled_qk_jax.training import loop
 from experiments import reports, sweep
 
 TIMING = {"train_seconds", "tokens_per_s_all_seeds"}  # wall-clock columns: the only ones allowed to differ
@@ -48,7 +48,7 @@ def test_stopped_sweep_resumes_and_matches_uninterrupted(spec, monkeypatch, caps
 
     # First invocation: stop at step 3 of the second cell, as SIGTERM does (the handler sets this flag).
     batches = {"n": 0}
-    real_batch = tasks.global_seed_batch
+    real_batch = loop.next_batch
 
     def counting_batch(*args):
         batches["n"] += 1
@@ -56,14 +56,14 @@ def test_stopped_sweep_resumes_and_matches_uninterrupted(spec, monkeypatch, caps
             loop._STOP_SIGNAL.append(signal.SIGTERM)
         return real_batch(*args)
 
-    monkeypatch.setattr(tasks, "global_seed_batch", counting_batch)
+    monkeypatch.setattr(loop, "next_batch", counting_batch)
     try:
         with pytest.raises(SystemExit) as info:
             sweep.main([*argv, "--out", str(stopped)])
     finally:
         loop._STOP_SIGNAL.clear()
     assert info.value.code == 128 + signal.SIGTERM  # 143: stopped, not finished (as train.py)
-    monkeypatch.setattr(tasks, "global_seed_batch", real_batch)
+    monkeypatch.setattr(loop, "next_batch", real_batch)
     assert json.loads((stopped / "runs" / "standard" / "summary.json").read_text())["status"] == "completed"
     assert json.loads((stopped / "runs" / "coupled_euler" / "summary.json").read_text())["status"] == "interrupted"
     assert not (stopped / "results.csv").exists()
@@ -220,3 +220,11 @@ def test_a_cell_resumes_under_another_stopping_rule_but_not_another_setting(tmp_
     (done / "summary.json").write_text(json.dumps({"status": "completed"}))
     assert sweep._find_reusable(new, [tmp_path / "reuse"]) == done
     assert sweep._find_reusable(old, [tmp_path / "reuse"]) is None
+
+
+def test_run_commits_keep_the_dirty_mark():
+    head = "08cf6b069bfb" + "a" * 28
+    history = "\n".join(json.dumps(e) for e in [
+        {"event": "start", "commit": head + "+dirty"}, {"event": "save", "commit": "ffff"},
+        {"event": "resume", "commit": head}, {"event": "resume"}])
+    assert sweep.run_commits(history) == ["08cf6b069bfb", "08cf6b069bfb+dirty", "not recorded"]

@@ -1,4 +1,4 @@
-"""Training loop, optimiser, checkpoints and evaluation (in-process, on conftest's 8 CPU devices).
+"""Training loop, optimiser, checkpoints and evaluation (in-process, on one CPU device; the mesh test in conftest's 8-device subprocess).
 
 Every test uses a tiny model (d_model 32, 2 layers, T 32) and the byte tokenizer on a text_dir corpus written into
 tmp_path, so nothing needs a download or BPE training.
@@ -24,8 +24,9 @@ from coupled_qk_jax.model import TransformerLM
 from coupled_qk_jax.training import loop
 from coupled_qk_jax.training import optimizer as opt_lib
 from coupled_qk_jax.training.checkpoint import Checkpointer
-from coupled_qk_jax.training.evaluate import evaluate_tokens, make_sharded_eval_step
-from coupled_qk_jax.training.steps import init_train_state, make_train_step, split_model
+from coupled_qk_jax.training.evaluate import evaluate_tokens
+from coupled_qk_jax.training.config import TrainConfig
+from coupled_qk_jax.training.steps import init_train_state, make_eval_step, make_train_step, split_model
 from coupled_qk_jax.training.writers import read_metrics
 
 WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau upsilon "
@@ -157,6 +158,9 @@ def test_bad_input_errors(tmp_path):
     with pytest.raises(ValueError, match=r"the train split of .* has 0 token\(s\), fewer than the 33"):
         loop.train(cfg, str(tmp_path / "g"), progress=False)
 
+
+@pytest.mark.mesh
+def test_batch_that_does_not_split_over_the_mesh_is_refused(tmp_path):
     cfg = tiny_config(tmp_path, batch_size=4)  # 4 rows cannot split over 8 data-parallel devices
     with pytest.raises(ValueError, match="not divisible by the 8 data-parallel devices"):
         loop.train(cfg, str(tmp_path / "e"), progress=False)
@@ -187,7 +191,7 @@ def test_perplexity_is_exp_mean_nll_against_numpy(tmp_path):
     eot, t = 256, 16
     mesh = shd.make_mesh({"data": -1, "fsdp": 1, "tensor": 1})
     replicated = jax.tree.map(lambda _: jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()), params)
-    step = make_sharded_eval_step(graphdef, replicated, mesh)
+    step = shd.jit_sharded(make_eval_step(graphdef), mesh, replicated)
     got = evaluate_tokens(step, params, tokens, t, 8, mesh, bos_id=eot)
 
     # Reference: stream = [eot] + tokens, windows at stride T; position p inside its window sees input stream[i].
@@ -211,7 +215,7 @@ def test_perplexity_is_exp_mean_nll_against_numpy(tmp_path):
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def _train_steps(mcfg: ModelConfig, train_cfg, batches, grad_accum: int = 1):
+def _train_steps(mcfg: ModelConfig, train_cfg: TrainConfig, batches, grad_accum: int = 1):
     graphdef, params = split_model(TransformerLM(mcfg, 0))
     tx = opt_lib.make_optimizer(params, train_cfg)
     state = init_train_state(params, tx)
@@ -235,8 +239,7 @@ SMALL = ModelConfig(variant="coupled_euler", vocab_size=257, max_len=16, d_model
 
 
 def test_qk_lr_mult_zero_freezes_wq_wk_only():
-    train_cfg = dict(get_config("coupled_euler,tiny").train)
-    train_cfg.update(qk_lr_mult=0.0, ov_lr_mult=1.0, warmup_steps=0, steps=10, weight_decay=0.1)
+    train_cfg = TrainConfig(qk_lr_mult=0.0, ov_lr_mult=1.0, warmup_steps=0, steps=10, weight_decay=0.1)
     before, after = _train_steps(SMALL, train_cfg, _batches(3))
     for i in range(SMALL.n_layers):
         b, a = before["blocks"][i]["attn"], after["blocks"][i]["attn"]
@@ -249,8 +252,7 @@ def test_qk_lr_mult_zero_freezes_wq_wk_only():
 
 
 def test_qk_mult_coupling_also_freezes_coupling():
-    train_cfg = dict(get_config("coupled_euler,tiny").train)
-    train_cfg.update(qk_lr_mult=0.0, qk_mult_coupling=True, warmup_steps=0, steps=10)
+    train_cfg = TrainConfig(qk_lr_mult=0.0, qk_mult_coupling=True, warmup_steps=0, steps=10)
     before, after = _train_steps(SMALL, train_cfg, _batches(2))
     for i in range(SMALL.n_layers):
         b, a = before["blocks"][i]["attn"], after["blocks"][i]["attn"]

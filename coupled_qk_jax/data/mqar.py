@@ -6,9 +6,9 @@ project spec (``specs/mqar.md``), not from zoology's source. What it provides:
 * :func:`multiquery_ar` -- one segment of examples, ``(inputs, labels)`` as int64 arrays ``[n, L]``. With
   ``random_non_queries=False`` it reproduces zoology's arrays draw for draw (same RNG, same call order).
 * :func:`segment_seeds`, :class:`MQARSegment`, :func:`make_segments` -- zoology's per-segment seed derivation.
-* :data:`LEVELS` (``easy`` / ``medium`` / ``hard``) and :data:`PRESETS` (zoology's standard sweep and friends).
-* :func:`make_batches`, :func:`grain_dataset` -- single-segment batches, optional right padding, padded last batch.
-* :func:`per_example_accuracy`, :func:`mqar_accuracy`, :class:`MQARAccuracy` -- zoology's pooled per-example
+* :data:`LEVELS` (``easy`` / ``medium`` / ``hard``), each an :class:`MQARMix` of one segment per split.
+* :func:`make_batches` -- single-segment batches, optional right padding, padded last batch.
+* :func:`per_example_accuracy`, :class:`MQARAccuracy` -- zoology's pooled per-example
   accuracy with the ``valid/accuracy`` and ``valid/num_kv_pairs/accuracy-{N}`` names.
 
 Deviations from zoology (also listed in ``docs/mqar.md``):
@@ -24,13 +24,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
-IGNORE_INDEX = -100
-"""Label of positions where nothing is asked (torch's ``CrossEntropyLoss`` ``ignore_index`` default)."""
+from coupled_qk_jax.data import IGNORE_INDEX
 
 PAD_TOKEN = 0
 """Token used for right padding; it is also MQAR's blank token."""
@@ -374,36 +373,6 @@ LEVELS: dict[str, MQARLevel] = {
                       num_train=2_500, num_test=1_000, train_batch_size=16, test_batch_size=100),
 }
 
-# Zoology's standard sweep (experiments/mqar_example_configs/original_mqar_configs.py), spec §6.
-_ZOOLOGY_TRAIN = ((64, 4, 100_000), (128, 8, 20_000), (256, 16, 20_000), (256, 32, 20_000), (256, 64, 20_000))
-_ZOOLOGY_TEST = ((64, 4, 1_000), (64, 8, 1_000), (64, 16, 1_000), (128, 32, 1_000), (256, 64, 1_000),
-                 (512, 128, 1_000), (1024, 256, 1_000))
-
-PRESETS: dict[str, MQARMix] = {
-    "zoology_standard": MQARMix("zoology_standard", _ZOOLOGY_TRAIN, _ZOOLOGY_TEST, fillers=True,
-                                train_batch_size=256, test_batch_size=32),
-    "zoology_standard_no_fillers": MQARMix("zoology_standard_no_fillers", _ZOOLOGY_TRAIN, _ZOOLOGY_TEST,
-                                           fillers=False, train_batch_size=256, test_batch_size=32),
-    # ICLR'24 Figure 2: one (L, N) per run, 100k train / 3k test, fillers off, batch 512 (L <= 128) or 256.
-    **{
-        f"iclr24_figure2_L{L}": MQARMix(f"iclr24_figure2_L{L}", ((L, N, 100_000),), ((L, N, 3_000),),
-                                        fillers=False, train_batch_size=bs, test_batch_size=bs)
-        for L, N, bs in ((64, 4, 512), (128, 8, 512), (256, 16, 256))
-    },
-    # Zoology's basic example (experiments/basic_examples/basic.py): V = 256, fillers on.
-    "zoology_basic": MQARMix("zoology_basic", ((64, 4, 10_000),), ((64, 4, 1_000),), vocab_size=256,
-                             fillers=True, train_batch_size=256, test_batch_size=32),
-    **{name: level.mix() for name, level in LEVELS.items()},
-}
-
-
-def get_mix(name: str) -> MQARMix:
-    """Look up a preset or level by name, with a clear error for unknown names."""
-    if name not in PRESETS:
-        raise ValueError(f"unknown MQAR preset {name!r}; known: {sorted(PRESETS)}")
-    return PRESETS[name]
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # Batching
 # ---------------------------------------------------------------------------------------------------------------
@@ -489,17 +458,6 @@ def make_batches(
     return out
 
 
-def grain_dataset(batches: Sequence[Mapping[str, np.ndarray]]):
-    """A ``grain.MapDataset`` over pre-built batches (in order; index ``i`` is batch ``i``).
-
-    Call ``.repeat(num_epochs)`` for epochs (each epoch replays identical batches, as in zoology) and
-    ``.to_iter_dataset()`` for a checkpointable iterator. grain is imported lazily so the generator does not need it.
-    """
-    import grain  # noqa: PLC0415
-
-    return grain.MapDataset.source(list(batches))
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # Metric (spec §8)
 # ---------------------------------------------------------------------------------------------------------------
@@ -579,21 +537,3 @@ class MQARAccuracy:
         for n_ in sorted(self._count):
             out[f"{self.prefix}/num_kv_pairs/accuracy-{n_}"] = self._sum[n_] / self._count[n_]
         return out
-
-
-def mqar_accuracy(logits_or_predictions, labels, num_kv_pairs=None, prefix: str = "valid") -> dict[str, float]:
-    """Zoology's MQAR accuracy for one array of examples (spec §8).
-
-    Args:
-      logits_or_predictions: logits ``[B, T, V]`` or int predictions ``[B, T]``.
-      labels: int ``[B, T]`` with ``-100`` where nothing is asked; all-``-100`` rows are padding and are excluded.
-      num_kv_pairs: optional int ``[B]`` (or scalar) slice key; defaults to each row's label count (= N).
-      prefix: metric-name prefix.
-
-    Returns:
-      ``{"valid/accuracy": float, "valid/num_kv_pairs/accuracy-{N}": float, ...}``. To pool over several batches
-      use :class:`MQARAccuracy`.
-    """
-    meter = MQARAccuracy(prefix)
-    meter.update(logits_or_predictions, labels, num_kv_pairs)
-    return meter.compute()

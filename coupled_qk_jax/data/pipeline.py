@@ -35,9 +35,8 @@ from typing import Any
 import grain
 import numpy as np
 
+from coupled_qk_jax.data import IGNORE_INDEX
 from coupled_qk_jax.data.corpora import CorpusError
-
-IGNORE_INDEX = -100
 
 
 def _window_batch(tokens: np.ndarray, windows: np.ndarray, seq_len: int, bos_id: int | None,

@@ -12,8 +12,13 @@ Layout (``CACHE`` is the ``cache_dir`` argument)::
 ``<key>`` is the first 16 hex digits of the SHA-256 of the corpus spec plus the tokenizer settings (kind, vocab size,
 the tokenizer file's hash when one is given, the BPE training cap) plus :data:`FORMAT_VERSION`. An entry is reused
 when its manifest has the same key and the corpus files still have the same list/sizes/mtimes; otherwise it is rebuilt.
-Every file is written to a temporary name and moved into place with ``os.replace``, so a crash or two hosts building
-the same entry never leave a half-written file under the final name.
+Every file is written to a temporary name in the entry's directory, fsynced and moved into place with ``os.replace``,
+so a crash never leaves a half-written file under the final name; a rebuild removes the old manifest first, so an
+interrupted one leaves an incomplete entry, never a complete-looking mix.
+
+In a multi-process run (:func:`shared_token_cache`) one process tokenises: process 0 trains the BPE and writes the
+entry while the others wait at a barrier, then open it. Where ``cache_dir`` is not storage the processes share (each
+host's own disk), each host's processes build their own copy instead, as a single process would.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import json
 import logging
 import os
 import platform
+import secrets
 import time
 import warnings
 from collections.abc import Iterator
@@ -36,6 +42,7 @@ from coupled_qk_jax.data.corpora import (
     SPLITS, CorpusError, CorpusSpec, ReadStats, all_files, hf_local_path, iter_documents, list_files,
     source_fingerprint, split_of)
 from coupled_qk_jax.data.tokenizer import BPETokenizer, ByteTokenizer, Tokenizer, tokenizer_json_sha256
+from coupled_qk_jax.training.rundir import write_json
 
 logger = logging.getLogger(__name__)
 
@@ -76,12 +83,6 @@ class TokenCache:
         return int(self.manifest["tokenizer"]["eot_id"])
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-
-
 def cache_key(spec: CorpusSpec, tokenizer: str, vocab_size: int, tokenizer_path: str | None,
               bpe_train_bytes: int | None) -> tuple[str, dict[str, Any]]:
     """(16-hex-digit key, the settings it hashes)."""
@@ -119,22 +120,28 @@ def _tokenize_split(spec: CorpusSpec, split: str, tok: Tokenizer, out: Path, dty
     n_tokens = 0
     eot = np.asarray([tok.eot_id], dtype=dtype)
     tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
-    with warnings.catch_warnings(record=True) as caught, open(tmp, "wb") as fh:
-        warnings.simplefilter("always")
-        for chunk in _chunks(iter_documents(spec, split, stats=stats), _ENCODE_CHUNK_BYTES):
-            for doc in chunk:
-                text_hash.update(doc.encode("utf-8"))
-                text_hash.update(b"\0")
-            pieces: list[np.ndarray] = []
-            for ids in tok.encode_batch(chunk):
-                pieces.append(ids.astype(dtype, copy=False))
-                pieces.append(eot)  # documents are separated (and terminated) by <|endoftext|>
-            arr = np.concatenate(pieces)
-            buf = arr.tobytes()
-            token_hash.update(buf)
-            fh.write(buf)
-            n_tokens += arr.size
-    os.replace(tmp, out)
+    try:
+        with warnings.catch_warnings(record=True) as caught, open(tmp, "wb") as fh:
+            warnings.simplefilter("always")
+            for chunk in _chunks(iter_documents(spec, split, stats=stats), _ENCODE_CHUNK_BYTES):
+                for doc in chunk:
+                    text_hash.update(doc.encode("utf-8"))
+                    text_hash.update(b"\0")
+                pieces: list[np.ndarray] = []
+                for ids in tok.encode_batch(chunk):
+                    pieces.append(ids.astype(dtype, copy=False))
+                    pieces.append(eot)  # documents are separated (and terminated) by <|endoftext|>
+                arr = np.concatenate(pieces)
+                buf = arr.tobytes()
+                token_hash.update(buf)
+                fh.write(buf)
+                n_tokens += arr.size
+            fh.flush()
+            os.fsync(fh.fileno())  # durable before the rename: a power loss cannot leave a short file in place
+        os.replace(tmp, out)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     for w in caught:  # re-emit the corpus reader's skipped-file warning to the caller
         warnings.warn(str(w.message), w.category, stacklevel=3)
     entry: dict[str, Any] = {
@@ -219,6 +226,7 @@ def build_token_cache(corpus: CorpusSpec | str | dict[str, Any], cache_dir: str 
         logger.info("rebuilding token cache %s: %s", entry, reason)
 
     entry.mkdir(parents=True, exist_ok=True)
+    manifest_path.unlink(missing_ok=True)  # incomplete until the new manifest is written (module docstring)
     tok, tok_file = _make_tokenizer(spec, tokenizer, vocab_size, tokenizer_path, bpe_train_bytes, entry)
     dtype = token_dtype(tok.vocab_size)
     t0 = time.perf_counter()
@@ -241,8 +249,70 @@ def build_token_cache(corpus: CorpusSpec | str | dict[str, Any], cache_dir: str 
         "versions": {"python": platform.python_version(), "tokenizers": tokenizers.__version__,
                      "numpy": np.__version__},
     }
-    _atomic_write_text(manifest_path, json.dumps(manifest, indent=2, sort_keys=True))
+    write_json(manifest_path, manifest)
     return TokenCache(entry, manifest, tok)
+
+
+def shared_token_cache(corpus: CorpusSpec | str | dict[str, Any], cache_dir: str | os.PathLike[str], *,
+                       found: TokenCache | None = None, **kwargs: Any) -> TokenCache:
+    """:func:`build_token_cache` called by every process of a run at the same point: one tokeniser per pod.
+
+    With one process it is :func:`build_token_cache`. With several, process 0 builds (or reuses) the entry while
+    the others wait at a barrier and then open it. Whether ``cache_dir`` is storage the processes share is found out
+    first: process 0 leaves a probe file there and tells the others its name; a process that cannot see it (a
+    host-local disk) builds its own copy at the same time as process 0. A process that tokenises says so on stdout.
+    An error in process 0's build is raised there, and the others stop with a CorpusError instead of waiting.
+
+    Args:
+      found: an entry this process has already opened (a resume's own): it is returned, and the process only joins
+        the barriers (every process must call this at the same point, whatever it found).
+      kwargs: those of :func:`build_token_cache`.
+    """
+    import jax  # noqa: PLC0415 - the data layer needs JAX only to coordinate processes
+    from jax.experimental import multihost_utils  # noqa: PLC0415
+
+    spec = CorpusSpec.coerce(corpus)
+    if jax.process_count() == 1:
+        return found if found is not None else _build_announced(spec, cache_dir, "", kwargs)
+    index = jax.process_index()
+    root = Path(cache_dir) / "tokens"
+    root.mkdir(parents=True, exist_ok=True)
+    nonce = secrets.randbelow(2**31) if index == 0 else 0
+    probe = root / f".shared-probe-{nonce}"
+    if index == 0:
+        probe.touch()
+    # The broadcast is also the barrier: when it returns, process 0 has written the probe.
+    nonce = int(multihost_utils.broadcast_one_to_all(np.int32(nonce)))
+    shared = (root / f".shared-probe-{nonce}").exists()
+    cache, error = found, None
+    if cache is None and (index == 0 or not shared):
+        try:
+            cache = _build_announced(spec, cache_dir, f" (process {index})", kwargs)
+        except Exception as e:  # reach the barrier anyway, so that the other processes do not wait forever
+            error = e
+    built = bool(multihost_utils.broadcast_one_to_all(np.int32(error is None)))  # process 0's outcome
+    if index == 0:
+        probe.unlink(missing_ok=True)
+    if error is not None:
+        raise error
+    if not built:
+        raise CorpusError(f"process 0 could not build the token cache of {spec} in {cache_dir}; its error is in "
+                          f"its output")
+    if cache is None:
+        cache = find_token_cache(spec, cache_dir, **{k: v for k, v in kwargs.items() if k != "rebuild"})
+        if cache is None:
+            raise CorpusError(f"process {index} finds no up-to-date token cache of {spec} in {cache_dir} after "
+                              f"process 0 built it there; the corpus files must be the same on every host")
+    return cache
+
+
+def _build_announced(spec: CorpusSpec, cache_dir: str | os.PathLike[str], who: str,
+                     kwargs: dict[str, Any]) -> TokenCache:
+    """build_token_cache, with one line on stdout when it is going to tokenise (it can take minutes)."""
+    lookup = {k: v for k, v in kwargs.items() if k != "rebuild"}
+    if kwargs.get("rebuild") or find_token_cache(spec, cache_dir, **lookup) is None:
+        print(f"tokenising {spec} into the token cache in {cache_dir}{who}", flush=True)
+    return build_token_cache(spec, cache_dir, **kwargs)
 
 
 def _stale_reason(manifest: dict[str, Any], key: str, fingerprint: dict[str, Any], entry: Path) -> str | None:

@@ -114,12 +114,19 @@ class BPETokenizer:
         return tok
 
     def save(self, path: str | os.PathLike[str]) -> None:
-        """Atomic: written to a temporary file beside ``path``, then renamed over it."""
+        """Atomic: written to a temporary file beside ``path``, fsynced, then renamed over it (a failed write
+        removes the temporary file)."""
         p = Path(path)
         p.parent.mkdir(parents=True, exist_ok=True)
         tmp = p.with_name(f".{p.name}.tmp{os.getpid()}")
-        self._tk.save(str(tmp))  # type: ignore[attr-defined]
-        os.replace(tmp, p)
+        try:
+            self._tk.save(str(tmp))  # type: ignore[attr-defined]
+            with open(tmp, "rb+") as f:  # the Rust writer has closed it; make its bytes durable before the rename
+                os.fsync(f.fileno())
+            os.replace(tmp, p)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
 
     def encode(self, text: str) -> np.ndarray:
         """``text`` -> [n] int32."""

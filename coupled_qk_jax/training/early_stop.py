@@ -1,6 +1,6 @@
 """Stop a run at the end of learning: a plateau (patience) or a target (threshold) on a validation metric.
 
-Configured by ``train.early_stop`` (configs/lm.py), with Lightning's EarlyStopping semantics:
+Configured by ``train.early_stop`` (training/config.py's EarlyStopConfig, which checks the settings), with Lightning's EarlyStopping semantics:
 
     metric     the periodic evaluation's metric to watch ("" = off): e.g. "valid/accuracy" (MQAR) or "val_loss" (LM)
     mode       "max" (accuracy) or "min" (loss, perplexity)
@@ -20,12 +20,10 @@ import dataclasses
 import math
 from typing import Any, Iterable
 
-import ml_collections
 import numpy as np
 
 from coupled_qk_jax.errors import UserError
-
-MODES = ("max", "min")
+from coupled_qk_jax.training.config import EarlyStopConfig
 
 
 @dataclasses.dataclass
@@ -43,30 +41,16 @@ class EarlyStop:
     stopped_step: int | None = None
 
     @classmethod
-    def from_config(cls, train: ml_collections.ConfigDict, num_seeds: int,
-                    metric_names: Iterable[str]) -> "EarlyStop | None":
-        """None when ``train.early_stop`` is absent or off; a UserError names a wrong setting."""
-        es = train.get("early_stop")
-        if es is None or not str(es.get("metric", "")):
+    def from_config(cls, rule: EarlyStopConfig, num_seeds: int, metric_names: Iterable[str]) -> "EarlyStop | None":
+        """None when the rule is off (no metric); a UserError when its metric is not one of this task's."""
+        if not rule.metric:
             return None
-        metric, mode = str(es.metric), str(es.get("mode", "max"))
-        patience, min_delta = int(es.get("patience", 0)), float(es.get("min_delta", 0.0))
-        threshold = es.get("threshold")
         names = sorted(metric_names)
-        if metric not in names:
-            raise UserError(f"train.early_stop.metric={metric!r} is not a metric of this task's evaluation; "
+        if rule.metric not in names:
+            raise UserError(f"train.early_stop.metric={rule.metric!r} is not a metric of this task's evaluation; "
                             f"use one of {', '.join(names)}")
-        if mode not in MODES:
-            raise UserError(f"train.early_stop.mode must be 'max' or 'min', got {mode!r}")
-        if patience < 0 or min_delta < 0:
-            raise UserError(f"train.early_stop.patience and min_delta must be >= 0, got {patience} and {min_delta}")
-        if patience == 0 and threshold is None:
-            raise UserError(f"train.early_stop.metric={metric!r} needs a rule: set train.early_stop.patience > 0 "
-                            f"or train.early_stop.threshold")
-        if int(train.eval_every) <= 0:
-            raise UserError("train.early_stop needs periodic evaluations: set train.eval_every > 0")
-        start = -math.inf if mode == "max" else math.inf
-        return cls(metric, mode, patience, min_delta, None if threshold is None else float(threshold),
+        start = -math.inf if rule.mode == "max" else math.inf
+        return cls(rule.metric, rule.mode, rule.patience, rule.min_delta, rule.threshold,
                    np.full(num_seeds, start), np.zeros(num_seeds, np.int64), [""] * num_seeds)
 
     @property

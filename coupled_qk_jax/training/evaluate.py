@@ -14,17 +14,10 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import numpy as np
-from flax import nnx
 from jax.sharding import Mesh
 
 from coupled_qk_jax import sharding as shd
 from coupled_qk_jax.data.pipeline import eval_batches, num_eval_batches
-from coupled_qk_jax.training.steps import make_eval_step
-
-
-def make_sharded_eval_step(graphdef: nnx.GraphDef, params_shardings: Any, mesh: Mesh) -> Callable:
-    """jit(eval_step) with explicit shardings: params as trained, batch split over (data, fsdp), scalars out."""
-    return shd.jit_eval_step(make_eval_step(graphdef), params_shardings, mesh)
 
 
 def evaluate_tokens(eval_step: Callable, params: Any, tokens: np.ndarray, seq_len: int, global_batch_size: int,
@@ -32,7 +25,8 @@ def evaluate_tokens(eval_step: Callable, params: Any, tokens: np.ndarray, seq_le
     """Mean token NLL and perplexity of a split.
 
     Args:
-      eval_step: ``(params, batch) -> (nll_sum, count)``, e.g. from :func:`make_sharded_eval_step`.
+      eval_step: ``(params, batch) -> (nll_sum, count)``, e.g. ``sharding.jit_sharded(steps.make_eval_step(graphdef),
+        mesh, params_shardings)``.
       tokens: [N] token ids of the split (this host reads its own windows: window k goes to batch slice k mod
         slices, the slices of sharding.process_batch_slice).
       seq_len: T.

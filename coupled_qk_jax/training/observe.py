@@ -1,5 +1,6 @@
 """What a researcher watches during training: model FLOPs and MFU, Δt per layer and head, parameter norms, the
-learning rate, a profiler trace, the persistent compilation cache, and a note on the CPU memory allocator.
+learning rate, a profiler trace and the persistent compilation cache. (The CPU malloc settings are made at process
+start-up: coupled_qk_jax/startup.py.)
 
 The device-side numbers (:func:`step_observables`) are computed inside the jitted train step and returned with its
 loss, so they cost no extra pass over the parameters and no extra host transfer beyond the logged values. MFU is host
@@ -29,15 +30,6 @@ from coupled_qk_jax.config import ModelConfig
 
 # Where the persistent compilation cache goes unless JAX_COMPILATION_CACHE_DIR names another place.
 DEFAULT_COMPILATION_CACHE = "~/.cache/coupled_qk_jax/xla"
-
-# Allocators that keep freed memory for reuse. With glibc's malloc XLA:CPU's per-step temporaries are returned to the
-# kernel and faulted in again every step; tcmalloc, or glibc told to keep them (one arena, no mmap, no trim), took
-# 24-29% off a tiny-peer train step (benchmarks/NOTES.md, "Allocation"). Both are settings made before Python
-# starts (LD_PRELOAD, MALLOC_* variables), so the library only says so.
-CACHING_ALLOCATORS = ("libtcmalloc", "libjemalloc", "libmimalloc")
-TCMALLOC_PATHS = ("/usr/lib/x86_64-linux-gnu/libtcmalloc.so.4", "/usr/lib/aarch64-linux-gnu/libtcmalloc.so.4",
-                  "/usr/lib64/libtcmalloc.so.4", "/usr/lib/libtcmalloc.so.4")
-
 
 def model_flops_per_step(n_params: int, cfg: ModelConfig, batch: int, seq: int) -> float:
     """Training FLOPs of one step on ``batch`` sequences of ``seq`` tokens (forward + backward; module docstring)."""
@@ -108,30 +100,6 @@ def enable_compilation_cache() -> str | None:
         os.makedirs(directory, exist_ok=True)
         jax.config.update("jax_compilation_cache_dir", directory)
     return directory
-
-
-def mapped_allocator(maps: str) -> str | None:
-    """The caching allocator named in a /proc/PID/maps text (e.g. "libtcmalloc"), or None for the default malloc."""
-    for line in maps.splitlines():
-        name = os.path.basename(line.split()[-1]) if line.split() else ""
-        for allocator in CACHING_ALLOCATORS:
-            if name.startswith(allocator):
-                return allocator
-    return None
-
-
-def allocator_note() -> str | None:
-    """One line suggesting tcmalloc when this process trains on the CPU with the default malloc; None otherwise."""
-    if jax.default_backend() != "cpu" or not os.path.exists("/proc/self/maps") or "MALLOC_ARENA_MAX" in os.environ:
-        return None
-    with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
-        if mapped_allocator(f.read()) is not None:
-            return None
-    found = next((p for p in TCMALLOC_PATHS if os.path.exists(p)), None)
-    tcmalloc = f"LD_PRELOAD={found}" if found else "tcmalloc (Debian: libgoogle-perftools4) via LD_PRELOAD"
-    return (f"note: CPU training with glibc's default malloc; the train step ran ~1.3x faster with {tcmalloc}, or "
-            f"with MALLOC_ARENA_MAX=1 MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=2147483647 set before starting "
-            f"(benchmarks/NOTES.md, 'Allocation')")
 
 
 class Profiler:

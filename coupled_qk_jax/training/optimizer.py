@@ -15,10 +15,12 @@ norms, biases, Δt and DiffAttn's λ vectors are not decayed.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import optax
+
+from coupled_qk_jax.training.config import TrainConfig
 
 QK_NAMES = {"wq", "wk"}
 OV_NAMES = {"wv", "wo"}
@@ -53,10 +55,9 @@ def decay_mask(params: Any) -> Any:
     return jax.tree_util.tree_map_with_path(lambda path, _: _names(path)[-1] in DECAYED_NAMES, params)
 
 
-def lr_multipliers(params: Any, train_cfg: Mapping[str, Any]) -> Any:
-    qk, ov = float(train_cfg["qk_lr_mult"]), float(train_cfg["ov_lr_mult"])
-    coupling = qk if train_cfg.get("qk_mult_coupling", False) else 1.0
-    table = {"qk": qk, "ov": ov, "coupling": coupling, "other": 1.0}
+def lr_multipliers(params: Any, train: TrainConfig) -> Any:
+    coupling = train.qk_lr_mult if train.qk_mult_coupling else 1.0
+    table = {"qk": train.qk_lr_mult, "ov": train.ov_lr_mult, "coupling": coupling, "other": 1.0}
     return jax.tree.map(lambda group: table[group], param_groups(params))
 
 
@@ -78,23 +79,20 @@ def scale_by_tree(multipliers: Any) -> optax.GradientTransformation:
     return optax.GradientTransformation(init, update)
 
 
-def learning_rate_schedule(train_cfg: Mapping[str, Any]) -> optax.Schedule:
-    lr, steps = float(train_cfg["lr"]), int(train_cfg["steps"])
-    warmup = min(int(train_cfg["warmup_steps"]), max(steps - 1, 0))
+def learning_rate_schedule(train: TrainConfig) -> optax.Schedule:
+    lr, steps = train.lr, train.steps
+    warmup = min(train.warmup_steps, max(steps - 1, 0))
     return optax.warmup_cosine_decay_schedule(
         init_value=0.0, peak_value=lr, warmup_steps=warmup, decay_steps=max(steps, warmup + 1),
-        end_value=lr * float(train_cfg["min_lr_ratio"]))
+        end_value=lr * train.min_lr_ratio)
 
 
-def make_optimizer(params: Any, train_cfg: Mapping[str, Any]) -> optax.GradientTransformation:
-    """clip_by_global_norm -> adamw(schedule, decay mask) -> per-group multipliers."""
-    for name in ("qk_lr_mult", "ov_lr_mult"):
-        if float(train_cfg[name]) < 0:
-            raise ValueError(f"train.{name} must be >= 0, got {train_cfg[name]}")
+def make_optimizer(params: Any, train: TrainConfig) -> optax.GradientTransformation:
+    """clip_by_global_norm -> adamw(schedule, decay mask) -> per-group multipliers (``train`` is validated: the
+    multipliers are >= 0)."""
     return optax.chain(
-        optax.clip_by_global_norm(float(train_cfg["grad_clip"])),
-        optax.adamw(learning_rate_schedule(train_cfg), b1=float(train_cfg["b1"]), b2=float(train_cfg["b2"]),
-                    eps=float(train_cfg["eps"]), weight_decay=float(train_cfg["weight_decay"]),
-                    mask=decay_mask(params)),
-        scale_by_tree(lr_multipliers(params, train_cfg)),
+        optax.clip_by_global_norm(train.grad_clip),
+        optax.adamw(learning_rate_schedule(train), b1=train.b1, b2=train.b2, eps=train.eps,
+                    weight_decay=train.weight_decay, mask=decay_mask(params)),
+        scale_by_tree(lr_multipliers(params, train)),
     )

@@ -39,6 +39,7 @@ from coupled_qk_jax.model import TransformerLM
 from coupled_qk_jax.training import optimizer as opt_lib
 from coupled_qk_jax.training import rundir, tasks
 from coupled_qk_jax.training.checkpoint import Checkpointer, DamagedCheckpoint, abstract_target
+from coupled_qk_jax.training.config import RunConfig, TrainConfig
 from coupled_qk_jax.training.steps import init_train_state, split_model
 
 CHECKPOINTS = "checkpoints"
@@ -61,7 +62,7 @@ class StateLayout:
     n_params: int  # of one replica
 
 
-def state_layout(mcfg: ModelConfig, train_cfg: ml_collections.ConfigDict, seeds: list[int],
+def state_layout(mcfg: ModelConfig, train_cfg: TrainConfig, seeds: list[int],
                  mesh: Mesh) -> StateLayout:
     """The abstract model, optimiser and shardings of a run with ``seeds`` on ``mesh``. With several seeds every
     leaf gets a leading seed axis [S, ...], replicated over the mesh: each seed is sharded as a single run."""
@@ -151,6 +152,7 @@ class Run:
 
     workdir: str
     cfg: ml_collections.ConfigDict  # the run's config, upgraded to this version's schema
+    config: RunConfig  # the same, typed
     mcfg: ModelConfig
     mesh: Mesh  # where its arrays are restored
     data: Any  # rundir.RunData (LM: tokenizer, held-out splits) or None (MQAR: generated data)
@@ -179,9 +181,9 @@ class Run:
         if config is not None:
             notes += rundir.check_eval_config(upgraded, config.to_dict(), workdir)
         cfg = ml_collections.ConfigDict(upgraded)
-        mcfg = loop.model_config(cfg)
-        seeds = loop.seeds_of(cfg)
-        data = rundir.RunData(workdir) if tasks.task_name(cfg) == "lm" else None
+        typed = RunConfig.from_configdict(cfg)
+        mcfg, seeds = typed.model, typed.train.seeds
+        data = rundir.RunData(workdir) if typed.task == "lm" else None
         fingerprint = data.fingerprint if data is not None else rundir.read_json(os.path.join(workdir,
                                                                                               rundir.DATA)) or {}
         mesh = reader_mesh(mesh)
@@ -192,8 +194,8 @@ class Run:
 
             for note in notes:
                 print(f"note: {note}", file=sys.stderr, flush=True)
-        return cls(workdir, cfg, mcfg, mesh, data, fingerprint, seeds, state_layout(mcfg, cfg.train, seeds, mesh),
-                   steps, notes)
+        return cls(workdir, cfg, typed, mcfg, mesh, data, fingerprint, seeds,
+                   state_layout(mcfg, typed.train, seeds, mesh), steps, notes)
 
     # -- what the run is ---------------------------------------------------------------------------------------
     @property
@@ -264,13 +266,14 @@ class Run:
         batch size the mesh's data-parallel devices do not divide is rounded up to a multiple of them: every token
         (example) is still scored once, and only float32 summation order within a batch changes."""
         devices = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
-        cfg = ml_collections.ConfigDict(self.cfg.to_dict())
-        rows = int(cfg.train.get("eval_batch_size", 0)) or (int(cfg.train.batch_size) if cfg.task == "lm" else 0)
+        run = self.config
+        rows = run.train.eval_batch_size or (run.train.batch_size if run.task == "lm" else 0)
         if rows % devices:
-            cfg.train.eval_batch_size = math.ceil(rows / devices) * devices
-        if tasks.task_name(cfg) == "lm":
-            return tasks.LMTask(cfg, self.data)
-        return tasks.MQARTask(cfg, self.mcfg, devices)
+            run = dataclasses.replace(run, train=dataclasses.replace(
+                run.train, eval_batch_size=math.ceil(rows / devices) * devices))
+        if run.task == "lm":
+            return tasks.LMTask(run, self.data)
+        return tasks.MQARTask(run, devices)
 
     def evaluate(self, split: str = "validation", step: int | None = None,
                  replica: int | str = "all") -> dict[str, Any]:

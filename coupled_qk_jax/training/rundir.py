@@ -76,20 +76,38 @@ _ABSENT = "<absent>"
 
 
 def jsonable(obj: Any) -> Any:
-    """The JSON form of a config dict (tuples become lists), as config.json stores it."""
-    return json.loads(json.dumps(obj, sort_keys=True, default=str))
+    """The strict-JSON form of ``obj`` (a config dict, a summary): tuples become lists, numpy scalars Python ones,
+    NaN/inf the strings "nan"/"inf", anything else unknown its str()."""
+    def plain(x: Any) -> Any:
+        if isinstance(x, dict):
+            return {k: plain(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [plain(v) for v in x]
+        if isinstance(x, np.generic):
+            x = x.item()
+        return str(x) if isinstance(x, float) and not np.isfinite(x) else x
+
+    return json.loads(json.dumps(plain(obj), sort_keys=True, default=str))
 
 
 def write_json(path: str | os.PathLike[str], obj: Any) -> None:
-    """Human-readable JSON via a temporary file and os.replace (readers never see half a file)."""
+    """Human-readable JSON (:func:`jsonable`) via a temporary file and os.replace (readers never see half a file).
+    The one JSON file writer: a run directory's config.json, data.json, summary.json and eval results, the token
+    cache's manifest."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
-        tmp.write_text(json.dumps(jsonable(obj), indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(json.dumps(jsonable(obj), indent=2, sort_keys=True) + "\n")
+            f.flush()
+            os.fsync(f.fileno())  # after a crash or power loss: the old file or the whole new one, never an empty one
         os.replace(tmp, path)
     except OSError as e:
         tmp.unlink(missing_ok=True)
         raise UserError(f"cannot write {path}: {e.strerror or e}") from None
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def read_json(path: str | os.PathLike[str]) -> Any | None:

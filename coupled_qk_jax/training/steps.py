@@ -14,9 +14,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from coupled_qk_jax.data import IGNORE_INDEX
 from coupled_qk_jax.model import TransformerLM
-
-IGNORE_INDEX = -100
 
 
 def masked_cross_entropy(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -1,4 +1,4 @@
-"""What a run trains on and how it is scored: the training loop's two plug-ins, chosen by ``cfg.task``.
+"""What a run trains on and how it is scored: the training loop's two plug-ins, chosen by the config's ``task``.
 
 A task gives the loop (``training/loop.py``) exactly two things:
 
@@ -28,21 +28,18 @@ from typing import Any, Callable
 import grain
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
 from coupled_qk_jax import sharding as shd
-from coupled_qk_jax.config import ModelConfig
 from coupled_qk_jax.data import mqar
 from coupled_qk_jax.data.pipeline import train_batches
 from coupled_qk_jax.data.token_cache import TokenCache
 from coupled_qk_jax.errors import UserError
+from coupled_qk_jax.training.config import RunConfig
 from coupled_qk_jax.training.evaluate import evaluate_tokens
 from coupled_qk_jax.training.steps import make_eval_step, masked_cross_entropy
-
-TASKS = ("lm", "mqar")
 
 Evaluator = Callable[..., dict[str, Any]]
 
@@ -51,40 +48,12 @@ Evaluator = Callable[..., dict[str, Any]]
 METRIC_NAMES = {"lm": ("val_loss", "val_ppl"), "mqar": ("valid/accuracy", "valid/loss")}
 
 
-def task_name(cfg: ml_collections.ConfigDict) -> str:
-    name = str(cfg.get("task", "lm"))
-    if name not in TASKS:
-        raise UserError(f"task must be one of {', '.join(TASKS)}, got {name!r}")
-    return name
-
-
-def seed_batch_sharding(mesh: Mesh, num_seeds: int) -> jax.sharding.NamedSharding:
-    """[B, T] batches split over (data, fsdp); with a seed axis, [S, B, T] with S replicated (docs/experiments.md)."""
-    lead = (None,) if num_seeds > 1 else ()
-    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*lead, shd.BATCH_AXES, None))
-
-
-def global_seed_batch(local: dict[str, np.ndarray], mesh: Mesh, num_seeds: int) -> dict[str, jax.Array]:
-    """This host's rows ([B_host, T], or [S, B_host, T]) of every field -> one global jax.Array per field."""
-    if num_seeds == 1:
-        return shd.global_batch(local, mesh)
-    sharding = seed_batch_sharding(mesh, num_seeds)
-    _, count = shd.process_batch_slice(mesh)
-    out = {}
-    for name, value in local.items():
-        value = np.asarray(value)
-        shape = (value.shape[0], value.shape[1] * count) + value.shape[2:]
-        out[name] = jax.make_array_from_process_local_data(sharding, value, shape)
-    return out
-
-
 def _jit_eval(fn: Callable, params_shardings: Any, mesh: Mesh, num_seeds: int) -> Callable:
-    """jit(fn(params, batch)) with params as trained, the batch split over (data, fsdp) and replicated outputs; with
-    several seeds the function is vmapped over the params' seed axis (every seed scores the same batch)."""
+    """The sharded jit of ``fn(params, batch)``; with several seeds the function is vmapped over the params' seed
+    axis (every seed scores the same batch, which has no seed axis)."""
     if num_seeds > 1:
         fn = jax.vmap(fn, in_axes=(0, None))
-    # Traced under the mesh: the model's per-layer FSDP gathers and activation constraints (sharding.under_mesh).
-    return jax.jit(shd.under_mesh(fn, mesh), in_shardings=(params_shardings, shd.batch_sharding(mesh)), out_shardings=shd.replicated(mesh))
+    return shd.jit_sharded(fn, mesh, params_shardings)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -96,14 +65,14 @@ def _jit_eval(fn: Callable, params_shardings: Any, mesh: Mesh, num_seeds: int) -
 class LMTask:
     """Next-token prediction on a token cache (``data.corpus``, ``data.tokenizer``; see docs/data.md)."""
 
-    cfg: ml_collections.ConfigDict
+    config: RunConfig
     cache: TokenCache
 
     name = "lm"
 
     def __post_init__(self) -> None:
         # Found now, not after hours of training (or after the first steps, inside the pipeline).
-        self.require_split("train", int(self.cfg.data.seq_len) + 1, "one training window (data.seq_len + 1)")
+        self.require_split("train", self.config.data.seq_len + 1, "one training window (data.seq_len + 1)")
         self.require_split("validation", 2, "an evaluation")
 
     def require_split(self, split: str, needed: int, what: str) -> None:
@@ -111,12 +80,12 @@ class LMTask:
         n = int(self.cache.manifest["splits"][split]["tokens"])  # no file opened: a run directory has no train split
         if n < needed:
             raise UserError(
-                f"the {split} split of {self.cfg.data.corpus} has {n} token(s), fewer than the {needed} that {what} "
+                f"the {split} split of {self.config.data.corpus} has {n} token(s), fewer than the {needed} that {what} "
                 f"needs; give it a larger share with data.split_fractions, e.g. 0.8,0.1,0.1 (train.py "
                 f"--config.data.split_fractions=..., main_job --split_fractions, sweep --split-fractions)")
 
     def eval_batch_size(self) -> int:
-        return int(self.cfg.train.get("eval_batch_size", 0)) or int(self.cfg.train.batch_size)
+        return self.config.train.eval_batch_size or self.config.train.batch_size
 
     def validate(self, batch_devices: int) -> None:
         if self.eval_batch_size() % batch_devices:
@@ -124,8 +93,8 @@ class LMTask:
                              f"data-parallel devices; set train.eval_batch_size")
 
     def train_dataset(self, seed: int, slice_index: int, slice_count: int) -> grain.MapDataset:
-        per_host = int(self.cfg.train.batch_size) // slice_count
-        return train_batches(self.cache.tokens("train"), int(self.cfg.data.seq_len), per_host, seed, slice_index,
+        per_host = self.config.train.batch_size // slice_count
+        return train_batches(self.cache.tokens("train"), self.config.data.seq_len, per_host, seed, slice_index,
                              slice_count, bos_id=self.cache.eot_id)
 
     def make_evaluator(self, graphdef: nnx.GraphDef, params_shardings: Any, mesh: Mesh,
@@ -134,7 +103,7 @@ class LMTask:
 
         def evaluate(params: Any, split: str = "validation", max_batches: int = 0) -> dict[str, Any]:
             self.require_split(split, 2, "an evaluation")
-            r = evaluate_tokens(step, params, self.cache.tokens(split), int(self.cfg.data.seq_len),
+            r = evaluate_tokens(step, params, self.cache.tokens(split), self.config.data.seq_len,
                                 self.eval_batch_size(), mesh, bos_id=self.cache.eot_id, max_batches=max_batches)
             return {"val_loss": np.atleast_1d(r["loss"]), "val_ppl": np.atleast_1d(r["ppl"]), "val_tokens": r["tokens"]}
 
@@ -142,7 +111,7 @@ class LMTask:
 
     def summary(self) -> dict[str, Any]:
         skipped = sum(int(v.get("skipped_non_utf8", 0)) for v in self.cache.manifest["splits"].values())
-        return {"corpus": str(self.cfg.data.corpus), "token_cache": self.cache.directory.name,
+        return {"corpus": self.config.data.corpus, "token_cache": self.cache.directory.name,
                 "skipped_non_utf8": skipped}
 
 
@@ -175,30 +144,30 @@ class MQARTask:
 
     name = "mqar"
 
-    def __init__(self, cfg: ml_collections.ConfigDict, mcfg: ModelConfig, batch_devices: int) -> None:
-        self.cfg = cfg
-        level_name = str(cfg.mqar.level)
-        if level_name not in mqar.LEVELS:
-            raise UserError(f"mqar.level must be one of {sorted(mqar.LEVELS)}, got {level_name!r}")
-        level = dataclasses.replace(mqar.LEVELS[level_name], num_train=int(cfg.mqar.num_train),
-                                    num_test=int(cfg.mqar.num_test))
+    def __init__(self, config: RunConfig, batch_devices: int) -> None:
+        self.config = config
+        cfg, train = config.mqar, config.train
+        if cfg.level not in mqar.LEVELS:
+            raise UserError(f"mqar.level must be one of {sorted(mqar.LEVELS)}, got {cfg.level!r}")
+        level = mqar.LEVELS[cfg.level]
+        level = dataclasses.replace(level, num_train=cfg.num_train or level.num_train,
+                                    num_test=cfg.num_test or level.num_test)
         self.level = level
-        if int(cfg.data.seq_len) != level.seq_len:
-            raise UserError(f"data.seq_len={cfg.data.seq_len} but MQAR level {level_name} has L={level.seq_len}; "
-                             f"choose the level with the config argument (configs/mqar.py:VARIANT,LEVEL)")
-        if mcfg.vocab_size < level.vocab_size:
-            raise UserError(f"model.vocab_size={mcfg.vocab_size} is smaller than MQAR level {level_name}'s "
-                             f"vocabulary {level.vocab_size}")
+        if config.data.seq_len != level.seq_len:
+            raise UserError(f"data.seq_len={config.data.seq_len} but MQAR level {cfg.level} has L={level.seq_len}; "
+                            f"choose the level with the config argument (configs/mqar.py:VARIANT,LEVEL)")
+        if config.model.vocab_size < level.vocab_size:
+            raise UserError(f"model.vocab_size={config.model.vocab_size} is smaller than MQAR level {cfg.level}'s "
+                            f"vocabulary {level.vocab_size}")
         train_segs, test_segs = level.mix().segments()
-        self.train = mqar.make_batches(train_segs, int(cfg.train.batch_size))
-        if len(self.train) != int(cfg.mqar.get("steps_per_epoch", len(self.train))):
-            raise UserError(f"mqar.steps_per_epoch={cfg.mqar.steps_per_epoch} but {level.num_train} examples in "
-                             f"batches of {cfg.train.batch_size} make {len(self.train)}; leave it derived")
-        rows = (int(cfg.train.get("eval_batch_size", 0))
-                or math.ceil(level.test_batch_size / batch_devices) * batch_devices)
+        self.train = mqar.make_batches(train_segs, train.batch_size)
+        if cfg.steps_per_epoch and len(self.train) != cfg.steps_per_epoch:
+            raise UserError(f"mqar.steps_per_epoch={cfg.steps_per_epoch} but {level.num_train} examples in "
+                            f"batches of {train.batch_size} make {len(self.train)}; leave it derived")
+        rows = train.eval_batch_size or math.ceil(level.test_batch_size / batch_devices) * batch_devices
         if rows % batch_devices:
             raise UserError(f"train.eval_batch_size={rows} is not divisible by the {batch_devices} data-parallel "
-                             f"devices")
+                            f"devices")
         self.test = mqar.make_batches(test_segs, rows)
 
     def validate(self, batch_devices: int) -> None:

@@ -1,4 +1,5 @@
-"""Run outputs: metrics.jsonl, TensorBoard event files (tensorboardX) and summary.json. Only process 0 writes."""
+"""Run outputs: metrics.jsonl and TensorBoard event files (tensorboardX). Only process 0 writes. (summary.json and
+every other JSON file: rundir.write_json.)"""
 
 from __future__ import annotations
 
@@ -20,15 +21,6 @@ def _jsonable(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
     return value
-
-
-def write_json_atomic(path: str, obj: dict[str, Any]) -> None:
-    """Write via a temporary file and os.replace, so readers never see half a file."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump({k: _jsonable(v) for k, v in obj.items()}, f, indent=2, sort_keys=True)
-        f.write("\n")
-    os.replace(tmp, path)
 
 
 def read_metrics(workdir: str) -> list[dict[str, Any]]:
