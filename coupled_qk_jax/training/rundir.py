@@ -53,7 +53,7 @@ FINGERPRINTED_FIELDS = frozenset({"data.corpus", "data.tokenizer_path"})
 # Fields added to the configs after runs existed, with the value that means what those runs did: a run whose
 # config.json lacks one resumes (and is evaluated) under a config holding that value, as if it had been recorded.
 ADDED_FIELDS = {"train.early_stop.metric": "", "train.early_stop.mode": "max", "train.early_stop.patience": 0,
-                "train.early_stop.min_delta": 0.0, "train.early_stop.threshold": None}
+                "train.early_stop.min_delta": 0.0, "train.early_stop.threshold": None, "train.schedule_every": 1}
 # Meaningful to change on resume; each needs --allow_change=FIELD and is recorded in history.jsonl. The stopping
 # rule (train.early_stop.*) is among them: a stopped run is a prefix of the full one.
 CHANGEABLE_FIELDS = ("train.steps", "train.log_every", "train.eval_every", "train.eval_batches",
