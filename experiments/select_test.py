@@ -39,9 +39,10 @@ def select_test(workdir: str | os.PathLike[str], prune: bool = False) -> dict[st
       ``{"metric", "selected_step" [S], "validation" [S], "test": {name: [S]}, "seeds" [S]}``; ``test`` holds the
       evaluator's names (``valid/accuracy``, ``valid/num_kv_pairs/accuracy-N``, ``valid/loss``) scored on test.
     """
-    from coupled_qk_jax.training import loop  # noqa: PLC0415
+    from coupled_qk_jax.training import loop, rundir  # noqa: PLC0415
     from coupled_qk_jax.training.checkpoint import abstract_target  # noqa: PLC0415
-    from coupled_qk_jax.training.writers import read_metrics, write_json_atomic  # noqa: PLC0415
+    from coupled_qk_jax.training.config import RunConfig  # noqa: PLC0415
+    from coupled_qk_jax.training.writers import read_metrics  # noqa: PLC0415
 
     workdir = os.path.abspath(workdir)
     path = os.path.join(workdir, RESULT)
@@ -56,8 +57,7 @@ def select_test(workdir: str | os.PathLike[str], prune: bool = False) -> dict[st
         seeds = list(summary["seeds"])
         stops = (summary.get("early_stop") or {}).get("seed_steps")
         picks = selected_steps(read_metrics(workdir), METRIC, "max", len(seeds), stops)
-        cfg = loop.saved_run_config(workdir)
-        s = loop.setup(cfg, workdir, None, read_only=True)
+        s = loop.setup(RunConfig.from_configdict(loop.saved_run_config(workdir)), workdir, None, read_only=True)
         test: dict[str, list[float]] = {}
         try:
             evaluator = loop.make_evaluator(s)
@@ -80,7 +80,7 @@ def select_test(workdir: str | os.PathLike[str], prune: bool = False) -> dict[st
         result = {"metric": METRIC, "seeds": seeds, "selected_step": [p[0] for p in picks],
                   "validation": [p[1] for p in picks], "test": test,
                   "test_examples": int(summary.get("num_test", 0))}
-        write_json_atomic(path, result)
+        rundir.write_json(path, result)
     if prune:
         prune_checkpoints(workdir, set(result["selected_step"]))
     return result

@@ -351,14 +351,14 @@ def test_batches_without_padding_and_errors():
 
 
 def test_training_replays_the_batches_in_order_every_epoch():
-    """The MQAR task's training dataset (what the loop trains on): batch i of every epoch is stored batch i, for any
-    seed, with the labels as the targets."""
+    """The MQAR task's training dataset with mqar.shuffle off (zoology's order): batch i of every epoch is stored
+    batch i, for any seed, with the labels as the targets. (The default, seeded order: test_mqar_train.py.)"""
     from configs import mqar as mqar_config
     from coupled_qk_jax.training.config import RunConfig
     from coupled_qk_jax.training.tasks import MQARTask
 
     cfg = mqar_config.get_config("standard,easy")
-    cfg.mqar.update(num_train=96, num_test=8)
+    cfg.mqar.update(num_train=96, num_test=8, num_valid=8, shuffle=False)
     cfg.train.batch_size = 32
     task = MQARTask(RunConfig.from_configdict(cfg), batch_devices=1)
     assert len(task.train) == 3

@@ -18,6 +18,7 @@ from configs import mqar as mqar_cfg
 from coupled_qk_jax.config import ALL_VARIANTS, ModelConfig
 from coupled_qk_jax.data import mqar
 from coupled_qk_jax.training import loop, tasks
+from coupled_qk_jax.training.config import RunConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -151,7 +152,7 @@ def _order(seed, shuffle=True, epochs=2):
     cfg = mqar_cfg.get_config("standard,easy")
     cfg.mqar.update(num_train=50, num_valid=8, num_test=8, shuffle=shuffle)
     cfg.train.batch_size = 16  # 4 batches per epoch, the last one 2 rows + 14 padding rows
-    task = tasks.MQARTask(cfg, ModelConfig.from_dict(cfg.model.to_dict()), 1)
+    task = tasks.MQARTask(RunConfig.from_configdict(cfg), batch_devices=1)
     ds = task.train_dataset(seed, 0, 1)
     inputs = task.train.inputs
     out = []
@@ -185,12 +186,11 @@ def test_a_held_out_split_that_overlaps_train_is_refused(monkeypatch):
     the training examples and is refused with one line; the real seeds pass (positive control)."""
     cfg = mqar_cfg.get_config("standard,easy")
     cfg.mqar.update(num_train=48, num_valid=48, num_test=8)
-    mcfg = ModelConfig.from_dict(cfg.model.to_dict())
-    tasks.MQARTask(cfg, mcfg, 1)
+    tasks.MQARTask(RunConfig.from_configdict(cfg), batch_devices=1)
     train_seed = mqar.segment_seeds(1, 1)[0][0]
     monkeypatch.setattr(mqar, "validation_seeds", lambda n_train, n_test, n_valid, seed: [train_seed] * n_valid)
     with pytest.raises(loop.UserError, match="48 validation example.* also occur in train"):
-        tasks.MQARTask(cfg, mcfg, 1)
+        tasks.MQARTask(RunConfig.from_configdict(cfg), batch_devices=1)
 
 
 def test_zoology_protocol_config_is_figure_2():
@@ -220,7 +220,7 @@ def test_zoology_protocol_config_is_figure_2():
     assert mqar_cfg.get_config("differential,easy,zoology").model.n_heads == 2
     # the schedule: torch's CosineAnnealingLR(T_max=64, eta_min=0) stepped once an epoch, lr_e = lr (1 + cos(pi e / 64)) / 2
     cfg = mqar_cfg.get_config("standard,easy,zoology")
-    schedule = opt_lib.learning_rate_schedule(cfg.train)
+    schedule = opt_lib.learning_rate_schedule(RunConfig.from_configdict(cfg).train)
     lr, spe = cfg.train.lr, cfg.mqar.steps_per_epoch
     for step in (0, 1, spe - 1, spe, 5 * spe + 7, 63 * spe, 64 * spe - 1):
         epoch = step // spe
@@ -234,7 +234,7 @@ def test_no_clipping_passes_a_large_gradient_unchanged():
 
     from coupled_qk_jax.training import optimizer as opt_lib
 
-    cfg = mqar_cfg.get_config("standard,easy,zoology").train
+    cfg = RunConfig.from_configdict(mqar_cfg.get_config("standard,easy,zoology")).train
     params = {"w": jnp.ones((3,))}
     grads = {"w": jnp.array([100.0, -50.0, 3.0])}
     tx = opt_lib.make_optimizer(params, cfg)
@@ -245,7 +245,7 @@ def test_no_clipping_passes_a_large_gradient_unchanged():
     np.testing.assert_allclose(np.asarray(ours["w"]), np.asarray(ref["w"]), rtol=1e-6)
     assert np.abs(np.asarray(ours["w"])).min() > 0
     # the per-step default is unchanged: schedule_every = 1 is optax's schedule itself
-    lm_train = mqar_cfg.get_config("standard,easy").train
+    lm_train = RunConfig.from_configdict(mqar_cfg.get_config("standard,easy")).train
     assert lm_train.schedule_every == 1
     plain = optax.warmup_cosine_decay_schedule(0.0, lm_train.lr, lm_train.warmup_steps, lm_train.steps,
                                                lm_train.lr * lm_train.min_lr_ratio)
@@ -277,7 +277,7 @@ def test_test_split_is_scored_at_each_seeds_validation_selected_checkpoint(tmp_p
     assert result["selected_step"] == expected
     level = dataclasses.replace(mqar.LEVELS["easy"], num_train=64, num_test=40, num_valid=40)
     test_seg = level.mix().segments()[1][0]
-    s = loop.setup(cfg, workdir, None, read_only=True)
+    s = loop.setup(RunConfig.from_configdict(cfg), workdir, None, read_only=True)
     try:
         for i, step in enumerate(expected):
             state, _ = s.checkpointer.restore(step, abstract_target(s.abstract_state, s.shardings))
