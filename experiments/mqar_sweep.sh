@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# MQAR to the end of learning (issue 15, item 2): zoology's protocol on a shared CPU, resumable.
+# MQAR to the end of learning (issue 15, item 2), the CPU protocol (configs/mqar.py), resumable; zoology's own
+# Figure-2 protocol is experiments/mqar_zoology.sh.
 #
 #   bash experiments/mqar_sweep.sh lane LEVEL VARIANT[,VARIANT...]  # lr sweep: 1 seed per (variant, lr), 64 epochs
 #   bash experiments/mqar_sweep.sh cell LEVEL VARIANT LR [FLAGS]    # one cell of a lane
@@ -24,16 +25,21 @@ LEVEL=${2:?level: easy, medium or hard}
 PY=${PYTHON:-python}
 ALL=standard,coupled_euler,coupled_leapfrog,mlp_only,differential
 # The end of learning: 64 epochs at most (zoology's), stopping earlier at a plateau, i.e. 8 evaluations (16 epochs)
-# in a row without a gain of more than 0.002 in test accuracy, or at perfect test accuracy (train.early_stop).
+# in a row without a gain of more than 0.002 in validation accuracy, or at perfect validation accuracy
+# (train.early_stop). Every cell then scores its test split once, at each seed's validation-selected checkpoint
+# (experiments/select_test.py); the tables report that test accuracy and choose lrs on validation.
 STOP=(--set train.early_stop.metric=valid/accuracy --set train.early_stop.patience=8
       --set train.early_stop.min_delta=0.002 --set train.early_stop.threshold=1.0)
-# WIDTH=32 bash experiments/mqar_sweep.sh ...: a narrower model (d_model 32, 2 heads of 16, coupling hidden 12) in
-# its own directories (TAG = LEVEL_w32); the default is the level's width, 64.
+# WIDTH=32 bash experiments/mqar_sweep.sh ...: a narrower model (d_model 32, 2 heads of 16; the coupling hidden width
+# follows, 12) in its own directories (TAG = LEVEL_w32); the default is the level's width, 64.
+# ROOT=runs/mqar_v bash experiments/mqar_sweep.sh ...: run directories under ROOT (default runs/mqar). Runs made
+# before the validation split are refused by the new code, so the split's reruns need a fresh ROOT.
+ROOT=${ROOT:-runs/mqar}
+DOCS=${DOCS:-docs/results/mqar}  # where table and seeds write; a rerun must not overwrite the old tables
 WIDTH=${WIDTH:-64}
 TAG=$LEVEL
 if [ "$WIDTH" != 64 ]; then
-  HIDDEN=$((3 * WIDTH / 8))
-  STOP+=(--set model.d_model="$WIDTH" --set model.coupling_hidden=$HIDDEN --set model.affine_hidden=$HIDDEN)
+  STOP+=(--set model.d_model="$WIDTH")
   TAG=${LEVEL}_w$WIDTH
 fi
 sweep() { nice -n 19 "$PY" -m experiments.sweep --recipe g --levels "$LEVEL" --epochs 64 "${STOP[@]}" "$@"; }
@@ -41,19 +47,19 @@ case "$MODE" in
   lane)
     for lr in 3e-3 1e-2 1e-3; do
       for v in ${3//,/ }; do
-        sweep --variants "$v" --seeds 1 --grid train.lr=$lr --out "runs/mqar/tables/${TAG}_${v}_lr$lr" \
-          --runs-dir "runs/mqar/${TAG}_s1"
+        sweep --variants "$v" --seeds 1 --grid train.lr=$lr --out "$ROOT/tables/${TAG}_${v}_lr$lr" \
+          --runs-dir "$ROOT/${TAG}_s1"
       done
     done ;;
   cell)  # one (variant, lr) cell of the lane: bash experiments/mqar_sweep.sh cell LEVEL VARIANT LR [FLAGS]
     v=${3:?variant}; lr=${4:?lr}
-    sweep --variants "$v" --seeds 1 --grid train.lr=$lr --out "${OUT:-runs/mqar/tables/${TAG}_${v}_lr$lr}" \
-      --runs-dir "${RUNS:-runs/mqar/${TAG}_s1}" "${@:5}" ;;
+    sweep --variants "$v" --seeds 1 --grid train.lr=$lr --out "${OUT:-$ROOT/tables/${TAG}_${v}_lr$lr}" \
+      --runs-dir "${RUNS:-$ROOT/${TAG}_s1}" "${@:5}" ;;
   table)
-    sweep --variants "${4:-$ALL}" --seeds 1 --grid "train.lr=${3:?lr}" --out "docs/results/mqar/${TAG}_lr$3" \
-      --runs-dir "runs/mqar/${TAG}_s1" ;;
+    sweep --variants "${4:-$ALL}" --seeds 1 --grid "train.lr=${3:?lr}" --out "$DOCS/${TAG}_lr$3" \
+      --runs-dir "$ROOT/${TAG}_s1" ;;
   seeds)
-    sweep --variants "${4:-$ALL}" --seeds 3 --grid "train.lr=${3:?lr}" --out "docs/results/mqar/${TAG}_lr${3}_s3${4:+_${4//,/+}}" \
-      --runs-dir "runs/mqar/${TAG}_s3" ;;
+    sweep --variants "${4:-$ALL}" --seeds 3 --grid "train.lr=${3:?lr}" --out "$DOCS/${TAG}_lr${3}_s3${4:+_${4//,/+}}" \
+      --runs-dir "$ROOT/${TAG}_s3" ;;
   *) echo "error: mode must be lane, cell, table or seeds, got '$MODE'" >&2; exit 2 ;;
 esac

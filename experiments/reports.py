@@ -174,7 +174,15 @@ def mqar_rows(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
         # plateau check: the change of seed-mean accuracy over the last quarter of the evaluated epochs
         k = next(j for j, ep in enumerate(r["epochs"]) if ep >= 0.75 * r["epochs"][-1])
         bm, bs = mean_std(best)
-        rows.append({"level": r["level"], "run": n, "variant": r["run"]["variant"], "epochs": r["epochs"][-1],
+        tm, ts = mean_std(r["test_accuracy"])
+        mean_curve = [float(np.mean(a)) for a in r["accuracy"]]
+        rows.append({"level": r["level"], "protocol": r.get("protocol", "cpu"), "width": r.get("width"),
+                     "lr": r.get("lr"), "run": n, "variant": r["run"]["variant"], "epochs": r["epochs"][-1],
+                     "test_accuracy_mean": tm, "test_accuracy_std": ts,
+                     "test_accuracy_seeds": " ".join(f"{a:.3f}" for a in r["test_accuracy"]),
+                     "selected_epoch_seeds": " ".join(str(e) for e in r["selected_epoch"]),
+                     "selected_validation_mean": float(np.mean(r["selected_validation"])),
+                     "solved_epoch_mean_curve": jump_epoch(r["epochs"], mean_curve, SOLVED_LEVEL),
                      "seeds": len(r["seeds"]), "params": r["num_params"], "accuracy_mean": m, "accuracy_std": s,
                      "accuracy_seeds": " ".join(f"{a:.3f}" for a in r["accuracy"][-1]),
                      "best_accuracy_mean": bm, "best_accuracy_std": bs,
@@ -184,6 +192,27 @@ def mqar_rows(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
                      "valid_loss_mean": mean_std(r["valid_loss"][-1])[0], "train_seconds": r["train_seconds"],
                      **_diag_means(r)})
     return rows
+
+
+def select_lr(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The sweep's best-lr rule, on validation only: for each (level, protocol, variant, width) with several lrs,
+    among the cells whose seed-mean validation accuracy reaches 0.99, the one that reaches it first (ties: the higher
+    validation accuracy at the selected checkpoints); if none does, the highest validation accuracy at the selected
+    checkpoints. The returned rows are the chosen cells; their test columns are what a table reports."""
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((r["level"], r["protocol"], r["variant"], r["width"]), []).append(r)
+    chosen = []
+    for cells in groups.values():
+        if len({c["lr"] for c in cells}) < 2:
+            continue
+        solved = [c for c in cells if c["solved_epoch_mean_curve"] is not None]
+        if solved:
+            best = min(solved, key=lambda c: (c["solved_epoch_mean_curve"], -c["selected_validation_mean"]))
+        else:
+            best = max(cells, key=lambda c: c["selected_validation_mean"])
+        chosen.append(best)
+    return chosen
 
 
 def jump_epoch(epochs: list[int], accuracy: list[float], level: float = JUMP_LEVEL) -> int | None:
@@ -205,8 +234,12 @@ DIAG_COLUMNS = [("run", "run"), ("diag_effective_rank", "attn eff. rank"),
                 ("diag_sigma2_over_sigma1", "σ2/σ1"), ("diag_induction_mass", "induction mass"),
                 ("diag_dt_mean", "mean Δt"), ("diag_dt_abs_mean", "mean abs(Δt)")]  # signs cancel in the mean
 MQAR_COLUMNS = [("level", "level"), ("run", "run"), ("variant", "variant"), ("epochs", "epochs"), ("seeds", "seeds"),
-                ("params", "params"), ("accuracy_mean", "accuracy (mean)"), ("accuracy_std", "± std"),
-                ("accuracy_seeds", "per seed"), ("best_accuracy_mean", "best-epoch acc (mean)"),
+                ("params", "params"), ("test_accuracy_mean", "test acc at selected (mean)"),
+                ("test_accuracy_std", "± std"), ("test_accuracy_seeds", "test per seed"),
+                ("selected_epoch_seeds", "selected epoch (per seed)"),
+                ("selected_validation_mean", "valid acc at selected (mean)"),
+                ("accuracy_mean", "valid acc, last eval (mean)"), ("accuracy_std", "± std"),
+                ("accuracy_seeds", "per seed"), ("best_accuracy_mean", "best-epoch valid acc (mean)"),
                 ("jump_epoch_seeds", "epoch reaching 0.5 (per seed)"),
                 ("solved_epoch_seeds", "epoch reaching 0.99 (per seed)"),
                 ("last_quarter_change", "Δ acc over last quarter"),
@@ -331,15 +364,29 @@ def report(results: dict[str, dict[str, Any]], out: Path, command: str, target_p
                    f"and heads on the first {DIAG_WINDOWS} validation windows, averaged over seeds):", "",
                    markdown_table(lmr, DIAG_COLUMNS), ""]
     if mqr:
-        md += ["## MQAR", "", "Accuracy = zoology's valid/accuracy (mean over test examples of the per-example "
-               "fraction of correctly recalled values) at the last epoch; mean ± sample std over seeds. 'epoch "
+        md += ["## MQAR", "", "Accuracy = zoology's metric (mean over examples of the per-example fraction of "
+               "correctly recalled values). Every evaluation during training, the stopping rule and the selection "
+               "read the validation split; each seed's checkpoint is its best validation accuracy up to its stop "
+               "('selected epoch'), and the test split is scored once there ('test acc at selected', the number to "
+               "report; experiments/select_test.py). The other accuracy columns are validation; 'epoch "
                f"reaching {JUMP_LEVEL:g}': the first evaluated epoch at or above it (the recall jump; '-' = never), and "
                f"likewise for {SOLVED_LEVEL:g} (solved); 'epochs': the last evaluated epoch (a run stopped by "
                "train.early_stop ends before the cap); "
                "'Δ acc over last quarter': last minus the evaluation at 75% of the epochs (near 0 = plateau).", "",
                markdown_table(mqr, MQAR_COLUMNS), ""]
+        chosen = select_lr(mqr)
+        if chosen:
+            md += ["### The lr chosen on validation", "", "Per (level, variant, width): among the lrs whose seed-mean "
+                   f"validation accuracy reaches {SOLVED_LEVEL:g}, the first to reach it, else the highest validation "
+                   "accuracy at the selected checkpoints (experiments.reports.select_lr); its test accuracy at the "
+                   "selected checkpoints is the cell's result.", "",
+                   markdown_table(chosen, [("level", "level"), ("protocol", "protocol"), ("variant", "variant"),
+                                           ("width", "width"), ("lr", "lr chosen"),
+                                           ("selected_validation_mean", "valid acc at selected (mean)"),
+                                           ("test_accuracy_mean", "test acc (mean)"), ("test_accuracy_std", "± std"),
+                                           ("test_accuracy_seeds", "test per seed")]), ""]
         if any(not math.isnan(r["diag_effective_rank"]) for r in mqr):
-            md += [f"Attention diagnostics after training (first {DIAG_WINDOWS} test examples, averaged over seeds; "
+            md += [f"Attention diagnostics after training (first {DIAG_WINDOWS} validation examples, averaged over seeds; "
                    "induction mass = attention on the value following the earlier occurrence of the query key):", "",
                    markdown_table(mqr, DIAG_COLUMNS), ""]
     md += ["Code (git commits of each run's starts and resumes, from its history.jsonl): "

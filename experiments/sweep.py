@@ -13,7 +13,9 @@ seeds of the cell as one vmapped program, checkpoints, metrics.jsonl, TensorBoar
 
 * skips it when its summary.json says completed (and computes its attention diagnostics if they are missing);
 * resumes it from its latest checkpoint when it has one (exactly: the loop's resume is bitwise);
-* starts it otherwise.
+* starts it otherwise;
+* for an MQAR cell, scores the test split once per seed at its validation-selected checkpoint
+  (``experiments/select_test.py``; ``--prune-checkpoints`` then drops the other checkpoints).
 
 SIGTERM or Ctrl-C stops the running cell at the next step boundary with a checkpoint and stops the sweep with exit
 status 143 or 130 (as train.py; 0 means every cell finished and the tables are written); the same command later
@@ -31,7 +33,8 @@ Recipes (``--recipe``):
     e  compute-matched: standard trained 2.4x longer than coupled Euler; target perplexity = coupled's final one
     f  corpus dependence: standard vs coupled Euler on a coherent corpus (stdlib code) and a heterogeneous mixture
        (needs ``--corpus-dir DIR`` prepared once by ``python -m experiments.corpora_prep DIR``)
-    g  MQAR levels (easy/medium/hard; ``--levels``), standard vs coupled Euler/leapfrog vs MLP-only
+    g  MQAR levels (easy/medium/hard; ``--levels``; ``--protocol cpu|zoology``), standard vs coupled Euler/leapfrog
+       vs MLP-only
     h  coupled + differential vs coupled alone vs differential alone (and standard)
 
 ``--grid KEY=V1,V2,...`` multiplies every cell by the values of one config field (e.g. ``train.lr``);
@@ -87,7 +90,7 @@ class Run:
       train: overrides of the `train` block (e.g. {"lr": 1e-3}).
       config: overrides of any field by dotted name (e.g. {"checkpoint.every": 10, "mesh.data": 1}).
       task: "lm" or "mqar".
-      level, epochs, num_train: MQAR only (`configs/mqar.py`; num_train 0 = the level's own).
+      level, protocol, epochs, num_train: MQAR only (`configs/mqar.py`; num_train 0 = the level's own).
       tokenizer, vocab_size: LM tokenizer ("bpe" with the scale's vocabulary unless set, or "byte").
       group: cells in one group share a target perplexity (tokens-to-target is compared within a group).
     """
@@ -104,6 +107,7 @@ class Run:
     config: dict[str, Any] = dataclasses.field(default_factory=dict)
     task: str = "lm"
     level: str = "easy"
+    protocol: str = "cpu"
     epochs: int = 16
     num_train: int = 0
     tokenizer: str = "bpe"
@@ -142,7 +146,7 @@ def make_config(run: Run, cache_dir: str, eval_points: int = 10) -> ml_collectio
     if run.task == "mqar":
         from configs import mqar as mqar_cfg  # noqa: PLC0415
 
-        cfg = mqar_cfg.get_config(f"{run.variant},{run.level}")
+        cfg = mqar_cfg.get_config(f"{run.variant},{run.level},{run.protocol}")
         cfg.mqar.epochs = int(run.epochs)  # train.steps etc. follow (FieldReferences)
         if run.num_train:
             cfg.mqar.num_train = int(run.num_train)
@@ -178,7 +182,7 @@ def make_config(run: Run, cache_dir: str, eval_points: int = 10) -> ml_collectio
 
 def recipe(name: str, *, scale: str, steps: int, seeds: int, corpus: Any = "stdlib",
            corpus_dir: str | None = None, levels: tuple[str, ...] = ("easy",), epochs: int = 16,
-           variants: tuple[str, ...] | None = None, num_train: int = 0) -> list[Run]:
+           variants: tuple[str, ...] | None = None, num_train: int = 0, protocol: str = "cpu") -> list[Run]:
     """The runs of one paper-claim recipe (see the module docstring)."""
     common = dict(scale=scale, corpus=corpus, steps=steps, seeds=seeds)
     if name == "a":
@@ -209,7 +213,7 @@ def recipe(name: str, *, scale: str, steps: int, seeds: int, corpus: Any = "stdl
         return runs
     if name == "g":
         return [Run(f"{lvl}/{v}", v, task="mqar", level=lvl, epochs=epochs, seeds=seeds, group=lvl,
-                    num_train=num_train)
+                    num_train=num_train, protocol=protocol)
                 for lvl in levels for v in (variants or ("standard", "coupled_euler", "coupled_leapfrog", "mlp_only"))]
     if name == "h":
         return [Run(v, v, **common) for v in
@@ -284,7 +288,7 @@ def _find_reusable(spec: dict[str, Any], reuse: list[Path]) -> Path | None:
 
 def diagnose(cfg: ml_collections.ConfigDict, workdir: Path) -> list[dict[str, Any]]:
     """Attention diagnostics (coupled_qk_jax.diagnostics_report) of every seed's final params on the first
-    ``reports.DIAG_WINDOWS`` full validation windows (LM) or test examples (MQAR)."""
+    ``reports.DIAG_WINDOWS`` full validation windows (LM) or validation examples (MQAR)."""
     import jax  # noqa: PLC0415
     from flax import nnx  # noqa: PLC0415
 
@@ -298,14 +302,14 @@ def diagnose(cfg: ml_collections.ConfigDict, workdir: Path) -> list[dict[str, An
                                        bos_id=run.data.eot_id)))
         tokens = first["inputs"][(first["targets"] != -100).all(axis=1)]
     else:
-        batch = run.task().test[0]
+        batch = run.task().valid[0]  # the test split is scored only at the selected checkpoint
         tokens = batch["inputs"][batch["mask"]][: reports.DIAG_WINDOWS]
     return [compute_diagnostics(nnx.merge(run.graphdef, jax.device_get(run.params(replica=i))), tokens)
             for i in range(run.num_replicas)]
 
 
 def run_cell(run: Run, cfg: ml_collections.ConfigDict, workdir: Path, *, force: bool = False,
-             reuse: list[Path] | None = None) -> str:
+             reuse: list[Path] | None = None, prune: bool = False) -> str:
     """Bring one cell's run directory to 'done' (or stop with a checkpoint): returns the loop's status."""
     from coupled_qk_jax.training import loop  # noqa: PLC0415
 
@@ -335,6 +339,10 @@ def run_cell(run: Run, cfg: ml_collections.ConfigDict, workdir: Path, *, force: 
         summary = loop.train(cfg, str(workdir), progress=False, allow_change=STOP_RULE)
         if summary["status"] != "completed":
             return summary["status"]
+    if run.task == "mqar":  # the test split, scored once per seed at its validation-selected checkpoint
+        from experiments.select_test import select_test  # noqa: PLC0415
+
+        select_test(workdir, prune=prune)
     diag = workdir / "diagnostics.json"
     if not diag.is_file():
         tmp = diag.with_suffix(".tmp")
@@ -390,14 +398,19 @@ def load_cell(run: Run, workdir: Path) -> dict[str, Any]:
     else:
         evals = [r for r in rows if "valid/accuracy" in r]
         spe = summary["steps_per_epoch"]
-        rec.update(level=summary["level"], epochs=[r["step"] // spe for r in evals],
+        selected = json.loads((workdir / "test_selected.json").read_text())
+        rec.update(level=summary["level"], protocol=summary.get("protocol", "cpu"), width=spec["config"]["model"]["d_model"],
+                   lr=spec["config"]["train"]["lr"], epochs=[r["step"] // spe for r in evals],
                    accuracy=[_per_seed(r, "valid/accuracy") for r in evals],
-                   valid_loss=[_per_seed(r, "valid/loss") for r in evals])
+                   valid_loss=[_per_seed(r, "valid/loss") for r in evals],
+                   selected_epoch=[st // spe for st in selected["selected_step"]],
+                   selected_validation=selected["validation"], test_accuracy=selected["test"]["valid/accuracy"],
+                   test_examples=summary.get("num_test"))
     return rec
 
 
 def run_all(runs: list[Run], out: Path, runs_dir: Path, cache_dir: str, eval_points: int = 10, force: bool = False,
-            reuse: list[Path] | None = None) -> dict[str, dict[str, Any]] | None:
+            reuse: list[Path] | None = None, prune: bool = False) -> dict[str, dict[str, Any]] | None:
     """Bring every cell to 'done' in order; the records by cell name, or None when a cell was stopped (SIGTERM /
     Ctrl-C): rerunning the same command continues from there."""
     names = [r.name for r in runs]
@@ -408,7 +421,7 @@ def run_all(runs: list[Run], out: Path, runs_dir: Path, cache_dir: str, eval_poi
     for run in runs:
         workdir = runs_dir / reports.safe_name(run.name)
         cfg = make_config(run, cache_dir, eval_points)
-        status = run_cell(run, cfg, workdir, force=force, reuse=reuse)
+        status = run_cell(run, cfg, workdir, force=force, reuse=reuse, prune=prune)
         if status != "completed":
             log(f"[{run.name}] {status} with a checkpoint; rerun the same command to continue")
             return None
@@ -467,6 +480,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--levels", default="easy", help="recipe g: comma-separated MQAR levels")
     p.add_argument("--epochs", type=int, default=16, help="recipe g: MQAR epochs")
     p.add_argument("--mqar-num-train", type=int, default=0, help="recipe g: training examples (0 = the level's)")
+    p.add_argument("--protocol", default="cpu", help="recipe g: MQAR protocol, cpu or zoology (configs/mqar.py)")
+    p.add_argument("--prune-checkpoints", action="store_true", help="MQAR: once the test split is scored at the "
+                   "selected checkpoints, delete the other checkpoints but the newest (disk for large grids)")
     p.add_argument("--variants", help="comma-separated variants overriding the recipe's list")
     p.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2",
                    help="train every cell once per value of a config field, e.g. train.lr=1e-3,3e-3")
@@ -500,7 +516,7 @@ def main(argv: list[str] | None = None) -> None:
             runs = recipe(args.recipe, scale=args.scale, steps=args.steps, seeds=args.seeds, corpus=args.corpus,
                           corpus_dir=args.corpus_dir, levels=tuple(args.levels.split(",")), epochs=args.epochs,
                           variants=tuple(args.variants.split(",")) if args.variants else None,
-                          num_train=args.mqar_num_train)
+                          num_train=args.mqar_num_train, protocol=args.protocol)
         overrides = dict(_key_value(kv, "--set") for kv in args.set)
         runs = [dataclasses.replace(r, config={**r.config, **{k: _value(v) for k, v in overrides.items()}})
                 for r in runs]
@@ -515,7 +531,7 @@ def main(argv: list[str] | None = None) -> None:
         runs_dir = Path(args.runs_dir) if args.runs_dir else out / "runs"
         reuse = [Path(d) for d in args.reuse.split(",") if d]
         results = run_all(runs, out, runs_dir, args.cache_dir, eval_points=args.eval_points, force=args.force,
-                          reuse=reuse)
+                          reuse=reuse, prune=args.prune_checkpoints)
         if results is None:
             stopped.append(True)
             return

@@ -124,3 +124,27 @@ def test_loop_stops_on_plateau_resumes_to_the_same_step_and_trains_no_further(tm
     assert rundir.config_differences(saved, old.to_dict()) == {}
     old.train.stop_after = 6
     assert loop.train(old, str(tmp_path / "old"), progress=False)["step"] == 6
+
+
+def test_selected_steps_best_validation_up_to_each_seeds_stop_by_hand():
+    from coupled_qk_jax.training.early_stop import selected_steps
+
+    rows = [{"step": 5, "train_loss": 1.0},  # not an evaluation
+            {"step": 10, "valid/accuracy": 0.5, "valid/accuracy/seeds": [0.2, 0.8]},
+            {"step": 20, "valid/accuracy": 0.7, "valid/accuracy/seeds": [0.6, 0.8]},
+            {"step": 30, "valid/accuracy": 0.8, "valid/accuracy/seeds": [0.9, 0.7]},
+            {"step": 40, "valid/accuracy": 0.85, "valid/accuracy/seeds": [0.7, 1.0]},
+            {"step": 40, "valid/accuracy": 0.0, "valid/accuracy/seeds": [0.0, 0.0]}]  # the final row: same step
+    # seed 0: best 0.9 at 30; seed 1: 0.8 at 10 and 20 (the earliest wins), 1.0 at 40 is after its stop at 30
+    assert selected_steps(rows, "valid/accuracy", "max", 2, [None, 30]) == [(30, 0.9), (10, 0.8)]
+    assert selected_steps(rows, "valid/accuracy", "max", 2) == [(30, 0.9), (40, 1.0)]
+    assert selected_steps(rows, "valid/accuracy", "min", 2) == [(10, 0.2), (30, 0.7)]
+    single = [{"step": 1, "val_loss": 3.0}, {"step": 2, "val_loss": 2.5}, {"step": 3, "val_loss": 2.7}]
+    assert selected_steps(single, "val_loss", "min", 1) == [(2, 2.5)]
+
+
+def test_early_stop_records_each_seeds_stop_step():
+    rule = _rule(2, threshold=0.9)
+    for step, values in ((10, [0.95, 0.2]), (20, [0.5, 0.3]), (30, [0.1, 0.91])):
+        rule.update(step, values)
+    assert rule.summary()["seed_steps"] == [10, 30] and rule.stopped_step == 30

@@ -351,14 +351,14 @@ def test_batches_without_padding_and_errors():
 
 
 def test_training_replays_the_batches_in_order_every_epoch():
-    """The MQAR task's training dataset (what the loop trains on): batch i of every epoch is stored batch i, for any
-    seed, with the labels as the targets."""
+    """The MQAR task's training dataset with mqar.shuffle off (zoology's order): batch i of every epoch is stored
+    batch i, for any seed, with the labels as the targets. (The default, seeded order: test_mqar_train.py.)"""
     from configs import mqar as mqar_config
     from coupled_qk_jax.training.config import RunConfig
     from coupled_qk_jax.training.tasks import MQARTask
 
     cfg = mqar_config.get_config("standard,easy")
-    cfg.mqar.update(num_train=96, num_test=8)
+    cfg.mqar.update(num_train=96, num_test=8, num_valid=8, shuffle=False)
     cfg.train.batch_size = 32
     task = MQARTask(RunConfig.from_configdict(cfg), batch_devices=1)
     assert len(task.train) == 3
@@ -446,3 +446,53 @@ def test_metric_errors_and_empty():
     with pytest.raises(ValueError, match="shape"):
         mqar_accuracy(np.zeros((2, 5), dtype=np.int32), labels)
     assert np.isnan(mqar_accuracy(np.zeros((2, 4), dtype=np.int32), labels)["valid/accuracy"])
+
+
+@pytest.mark.parametrize("name", sorted(mqar.LEVELS))
+def test_validation_split_shares_no_example_with_train_or_test(name):
+    """The validation segment (its own seed draw, after zoology's train and test draws) is disjoint from train and
+    test by content, on the levels the runs use. The reference is a plain set of row tuples."""
+    level = mqar.LEVELS[name]
+    mix = level.mix()
+    (train,), (test,) = mix.segments()
+    (valid,) = mix.validation_segments()
+    train_seeds, test_seeds = mqar.segment_seeds(1, 1)
+    assert (train.seed, test.seed) == (train_seeds[0], test_seeds[0])  # zoology's seeds are unchanged
+    assert 2**31 <= valid.seed < 2**32 and valid.seed not in (train.seed, test.seed)
+    assert valid.num_examples == level.num_valid == 1_000
+    data = {k: seg.generate() for k, seg in (("train", train), ("valid", valid), ("test", test))}
+
+    def rows(split):
+        x, y = data[split]
+        return {tuple(a) + tuple(b) for a, b in zip(x.tolist(), y.tolist())}
+
+    assert not rows("valid") & rows("train") and not rows("valid") & rows("test")
+    assert mqar.overlapping_rows(data["valid"], data["train"]).size == 0
+    assert mqar.overlapping_rows(data["valid"], data["test"]).size == 0
+    # positive control: validation rows 3, 7 and 11 copied into the training set are found, and only those
+    x, y = data["train"]
+    planted = (np.concatenate([x, data["valid"][0][[3, 7, 11]]]), np.concatenate([y, data["valid"][1][[3, 7, 11]]]))
+    assert mqar.overlapping_rows(data["valid"], planted).tolist() == [3, 7, 11]
+
+
+def test_validation_seeds_skip_train_and_test_seeds(monkeypatch):
+    """A draw equal to a train or test seed is drawn again (forced here by a RandomState whose held-out draws
+    repeat the test seed first)."""
+    train, test = mqar.segment_seeds(2, 3)
+    seeds = mqar.validation_seeds(2, 3, 4)
+    assert len(set(seeds)) == 4 and not set(seeds) & set(train + test)
+    real = np.random.RandomState
+
+    class Repeating(real):
+        calls = 0
+
+        def randint(self, low, high=None, size=None):
+            if size is None:  # a validation draw: the first one repeats a test seed
+                Repeating.calls += 1
+                if Repeating.calls == 1:
+                    return test[0]
+            return super().randint(low, high, size)
+
+    monkeypatch.setattr(np.random, "RandomState", Repeating)
+    forced = mqar.validation_seeds(2, 3, 1)
+    assert forced[0] != test[0] and Repeating.calls == 2

@@ -228,3 +228,18 @@ def test_run_commits_keep_the_dirty_mark():
         {"event": "start", "commit": head + "+dirty"}, {"event": "save", "commit": "ffff"},
         {"event": "resume", "commit": head}, {"event": "resume"}])
     assert sweep.run_commits(history) == ["08cf6b069bfb", "08cf6b069bfb+dirty", "not recorded"]
+
+
+def test_select_lr_reads_validation_only_by_hand():
+    """The best-lr rule on validation: the first lr to reach 0.99 among those that do (ties: higher validation at
+    the selected checkpoints), else the highest validation at the selected checkpoints. Test columns never decide:
+    the lr with the best test accuracy is not chosen when its validation is worse."""
+    def cell(lr, solved, valid, test, variant="standard"):
+        return {"level": "easy", "protocol": "zoology", "variant": variant, "width": 64, "lr": lr,
+                "solved_epoch_mean_curve": solved, "selected_validation_mean": valid, "test_accuracy_mean": test}
+
+    rows = [cell(1e-4, None, 0.5, 0.9), cell(1e-3, 12, 0.995, 0.2), cell(1e-2, 8, 0.991, 0.1), cell(3e-2, 8, 0.999, 0.0),
+            cell(1e-4, None, 0.30, 0.99, "coupled_euler"), cell(1e-3, None, 0.31, 0.10, "coupled_euler"),
+            cell(1e-3, None, 0.9, 0.9, "mlp_only")]  # one lr only: nothing to choose
+    chosen = {r["variant"]: r["lr"] for r in reports.select_lr(rows)}
+    assert chosen == {"standard": 3e-2, "coupled_euler": 1e-3}

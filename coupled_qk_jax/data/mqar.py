@@ -5,8 +5,11 @@ project spec (``specs/mqar.md``), not from zoology's source. What it provides:
 
 * :func:`multiquery_ar` -- one segment of examples, ``(inputs, labels)`` as int64 arrays ``[n, L]``. With
   ``random_non_queries=False`` it reproduces zoology's arrays draw for draw (same RNG, same call order).
-* :func:`segment_seeds`, :class:`MQARSegment`, :func:`make_segments` -- zoology's per-segment seed derivation.
-* :data:`LEVELS` (``easy`` / ``medium`` / ``hard``), each an :class:`MQARMix` of one segment per split.
+* :func:`segment_seeds`, :class:`MQARSegment`, :func:`make_segments` -- zoology's per-segment seed derivation;
+  :func:`validation_seeds` -- the seeds of a validation split, which zoology does not have.
+* :func:`overlapping_rows` -- the examples two splits share, by content (a validation or test set must share none).
+* :data:`LEVELS` (``easy`` / ``medium`` / ``hard``, sized for a CPU), :data:`ZOOLOGY_LEVELS` (the same (L, N) at
+  ICLR'24 Figure 2's sizes) and :data:`PROTOCOLS` (both by name); each level an :class:`MQARMix` of one segment per split.
 * :func:`make_batches` -- single-segment batches, optional right padding, padded last batch.
 * :func:`per_example_accuracy`, :class:`MQARAccuracy` -- zoology's pooled per-example
   accuracy with the ``valid/accuracy`` and ``valid/num_kv_pairs/accuracy-{N}`` names.
@@ -213,6 +216,51 @@ def segment_seeds(n_train: int, n_test: int, seed: int = ZOOLOGY_DATA_SEED) -> t
     return [int(s) for s in train], [int(s) for s in test]
 
 
+def validation_seeds(n_train: int, n_test: int, n_valid: int, seed: int = ZOOLOGY_DATA_SEED) -> list[int]:
+    """Seeds of ``n_valid`` validation segments, a split zoology does not have.
+
+    They are the third draw of the same private ``RandomState(seed)``, after zoology's train and test draws (so
+    those stay zoology's seeds): ``randint(2**31, 2**32, size=n_valid)``, the held-out half of the 32-bit seed
+    space, with any draw equal to a train or test seed drawn again. Distinct seeds do not by themselves make the
+    examples distinct; :func:`overlapping_rows` checks that by content (``training/tasks.py`` refuses an overlap).
+
+    Returns:
+      ``n_valid`` Python ints in ``[2**31, 2**32)``, none equal to a train or test seed.
+    """
+    _check_int("n_train", n_train, 0)
+    _check_int("n_test", n_test, 0)
+    _check_int("n_valid", n_valid, 0)
+    _check_int("seed", seed, 0)
+    rs = np.random.RandomState(seed)
+    taken = {int(s) for s in rs.randint(0, 2**31, size=n_train)} | {int(s) for s in rs.randint(2**31, 2**32,
+                                                                                                size=n_test)}
+    out: list[int] = []
+    while len(out) < n_valid:
+        s = int(rs.randint(2**31, 2**32))
+        if s not in taken:
+            taken.add(s)
+            out.append(s)
+    return out
+
+
+def overlapping_rows(a: tuple[np.ndarray, np.ndarray], b: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
+    """Indices of the examples of split ``a`` that also occur in split ``b``, by content.
+
+    An example is its ``(inputs, labels)`` row pair; two are the same when every token and label agrees (rows of
+    different lengths never agree). ``a`` and ``b`` are ``(inputs, labels)`` pairs of ``[n, L]`` arrays.
+
+    Returns:
+      int64 ``[k]``, the sorted row indices into ``a`` (empty when the splits are disjoint).
+    """
+    def keys(split: tuple[np.ndarray, np.ndarray]) -> list[bytes]:
+        x, y = (np.ascontiguousarray(np.asarray(v, np.int64)) for v in split)
+        both = np.concatenate([x, y], axis=1)
+        return [row.tobytes() for row in both]
+
+    other = set(keys(b))
+    return np.asarray([i for i, k in enumerate(keys(a)) if k in other], dtype=np.int64)
+
+
 @dataclasses.dataclass(frozen=True)
 class MQARSegment:
     """One segment: ``num_examples`` examples of a single (L, N), generated with their own seed.
@@ -311,30 +359,40 @@ class MQARMix:
     train_batch_size: int = 256
     test_batch_size: int = 32
     seed: int = ZOOLOGY_DATA_SEED
+    valid: tuple[tuple[int, int, int], ...] = ()  # validation (L, N, num_examples); zoology has none
 
     @property
     def max_seq_len(self) -> int:
-        return max(L for L, _, _ in (*self.train, *self.test))
+        return max(L for L, _, _ in (*self.train, *self.valid, *self.test))
 
     def segments(self) -> tuple[list[MQARSegment], list[MQARSegment]]:
         """``(train_segments, test_segments)`` via :func:`make_segments`."""
         return make_segments(self.train, self.test, vocab_size=self.vocab_size, fillers=self.fillers,
                              power_a=self.power_a, seed=self.seed)
 
+    def validation_segments(self) -> list[MQARSegment]:
+        """The validation segments, seeded by :func:`validation_seeds` (their own draw, after train and test)."""
+        specs = _check_specs("valid", self.valid)
+        seeds = validation_seeds(len(self.train), len(self.test), len(specs), self.seed)
+        return [MQARSegment(L=L, N=N, num_examples=n, seed=s, fillers=self.fillers, vocab_size=self.vocab_size,
+                            power_a=self.power_a) for (L, N, n), s in zip(specs, seeds)]
+
 
 @dataclasses.dataclass(frozen=True)
 class MQARLevel:
-    """A single-difficulty MQAR setting sized for a 2-core CPU (train and test share (L, N), as in ICLR'24 Fig. 2).
+    """A single-difficulty MQAR setting (train, validation and test share (L, N), as in ICLR'24 Fig. 2).
 
     Attributes:
       name: level name.
       seq_len: L.
       num_kv_pairs: N.
-      d_model: suggested model width (Figure 2's smallest width, 64, which attention solves at all three (L, N)).
-      vocab_size: V (reduced from zoology's 8192 so the tied LM head does not dominate CPU time; see docs).
+      d_model: model width (Figure 2's smallest, 64; Figure 2 sweeps 64-512).
+      vocab_size: V (the CPU levels use 512 instead of zoology's 8192 so the tied LM head does not dominate CPU
+        time; see docs).
       num_train, num_test: examples per split (Figure 2 uses 100k / 3k).
-      train_batch_size, test_batch_size: batch sizes.
+      train_batch_size, test_batch_size: batch sizes (the validation split uses the test batch size).
       fillers: ``random_non_queries`` (off, as in Figure 2).
+      num_valid: validation examples (a split of our own, :func:`validation_seeds`; zoology has none).
     """
 
     name: str
@@ -347,9 +405,10 @@ class MQARLevel:
     train_batch_size: int
     test_batch_size: int
     fillers: bool = False
+    num_valid: int = 1_000
 
     def mix(self, seed: int = ZOOLOGY_DATA_SEED) -> MQARMix:
-        """This level as a one-train-segment, one-test-segment :class:`MQARMix`."""
+        """This level as an :class:`MQARMix` of one train, one validation and one test segment."""
         return MQARMix(
             name=self.name,
             train=((self.seq_len, self.num_kv_pairs, self.num_train),),
@@ -359,6 +418,7 @@ class MQARLevel:
             train_batch_size=self.train_batch_size,
             test_batch_size=self.test_batch_size,
             seed=seed,
+            valid=((self.seq_len, self.num_kv_pairs, self.num_valid),) if self.num_valid else (),
         )
 
 
@@ -373,13 +433,27 @@ LEVELS: dict[str, MQARLevel] = {
                       num_train=2_500, num_test=1_000, train_batch_size=16, test_batch_size=100),
 }
 
+# ICLR'24 Figure 2 as zoology runs it (experiments/iclr24_zoology_figure2/configs.py): V = 8192, 100,000 training
+# and 3,000 test examples per (L, N), one batch size for train and test (512, or 256 at L = 256). The 3,000
+# validation examples are ours (zoology selects on its test set). configs/mqar.py:VARIANT,LEVEL,zoology.
+ZOOLOGY_LEVELS: dict[str, MQARLevel] = {
+    name: MQARLevel(name, seq_len=L, num_kv_pairs=N, d_model=64, vocab_size=ZOOLOGY_VOCAB_SIZE, num_train=100_000,
+                    num_test=3_000, train_batch_size=bs, test_batch_size=bs, num_valid=3_000)
+    for name, L, N, bs in (("easy", 64, 4, 512), ("medium", 128, 8, 512), ("hard", 256, 16, 256))
+}
+
+# The protocols a level name is read under: "cpu" (LEVELS, the default) and "zoology" (ZOOLOGY_LEVELS).
+PROTOCOLS: dict[str, dict[str, MQARLevel]] = {"cpu": LEVELS, "zoology": ZOOLOGY_LEVELS}
+
 # ---------------------------------------------------------------------------------------------------------------
 # Batching
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _pad_batch(inputs: np.ndarray, labels: np.ndarray, batch_size: int, pad_to: int, num_kv_pairs: int
+def pad_batch(inputs: np.ndarray, labels: np.ndarray, batch_size: int, pad_to: int, num_kv_pairs: int
                ) -> dict[str, np.ndarray]:
+    """Rows ``inputs``/``labels`` [b <= batch_size, L] as one batch of ``batch_size`` rows right-padded to ``pad_to``
+    (token 0, label -100; padding rows have ``mask`` False and ``num_kv_pairs`` 0). See :func:`iter_segment_batches`."""
     b, L = inputs.shape
     out_inputs = np.full((batch_size, pad_to), PAD_TOKEN, dtype=np.int32)
     out_labels = np.full((batch_size, pad_to), IGNORE_INDEX, dtype=np.int32)
@@ -423,7 +497,7 @@ def iter_segment_batches(
     for start in range(0, n, batch_size):
         x, y = inputs[start:start + batch_size], labels[start:start + batch_size]
         rows = batch_size if pad_last else x.shape[0]
-        yield _pad_batch(x, y, rows, T, num_kv_pairs)
+        yield pad_batch(x, y, rows, T, num_kv_pairs)
 
 
 def make_batches(

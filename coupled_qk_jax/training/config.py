@@ -154,11 +154,15 @@ class TrainConfig(_Block):
     lr: float = 3e-3
     warmup_steps: int = 100
     min_lr_ratio: float = 0.1
+    # The lr is the schedule's value at the last multiple of this many steps: 1 = a new value every step; N =
+    # constant over blocks of N steps (configs/mqar.py's zoology protocol: once an epoch, as torch's
+    # CosineAnnealingLR stepped per epoch).
+    schedule_every: int = 1
     weight_decay: float = 0.1
     b1: float = 0.9
     b2: float = 0.95
     eps: float = 1e-8
-    grad_clip: float = 1.0
+    grad_clip: float = 1.0  # global-norm clipping threshold; 0 = no clipping
     qk_lr_mult: float = 1.0  # multiplies the learning rate of W_Q and W_K (second seed paper's intervention)
     ov_lr_mult: float = 1.0  # multiplies the learning rate of W_V and W_O
     qk_mult_coupling: bool = False  # also apply qk_lr_mult to the coupling parameters (f and Δt)
@@ -175,13 +179,13 @@ class TrainConfig(_Block):
     early_stop: EarlyStopConfig = dataclasses.field(default_factory=EarlyStopConfig)
 
     def __post_init__(self) -> None:
-        _at_least("train", self, 1, ("steps", "num_seeds"))
+        _at_least("train", self, 1, ("steps", "num_seeds", "schedule_every"))
         if self.batch_size < 1 or self.grad_accum < 1 or self.batch_size % self.grad_accum:
             raise UserError(f"train.batch_size={self.batch_size} must be a positive multiple of "
                             f"train.grad_accum={self.grad_accum}")
         _at_least("train", self, 0, ("log_every", "eval_every", "eval_batches", "eval_batch_size", "stop_after",
                                      "warmup_steps", "profile_steps"))
-        for name in ("qk_lr_mult", "ov_lr_mult"):
+        for name in ("qk_lr_mult", "ov_lr_mult", "grad_clip"):
             if getattr(self, name) < 0:
                 raise UserError(f"train.{name} must be >= 0, got {getattr(self, name)}")
         if self.early_stop.metric and self.eval_every <= 0:
@@ -292,19 +296,24 @@ class MeshConfig(_Block):
 
 @dataclasses.dataclass(frozen=True)
 class MQARConfig(_Block):
-    """``mqar`` (configs/mqar.py): the level fixes L, N and the vocabulary (data.mqar.LEVELS)."""
+    """``mqar`` (configs/mqar.py): the protocol and the level fix L, N, the vocabulary and the segment sizes
+    (data.mqar.PROTOCOLS)."""
 
     BLOCK = "mqar"
 
     level: str = "easy"
+    protocol: str = "cpu"  # "cpu" (data.mqar.LEVELS) or "zoology" (ICLR'24 Figure 2's sizes, ZOOLOGY_LEVELS)
     epochs: int = 16
     num_train: int = 0  # training examples (one zoology segment); 0 = the level's
-    num_test: int = 0  # held-out examples (the metric's segment); 0 = the level's
+    num_valid: int = 0  # validation examples (periodic evaluations, early stopping, selection); 0 = the level's
+    num_test: int = 0  # test examples (scored once, at the selected checkpoint); 0 = the level's
     eval_every_epochs: int = 2
     steps_per_epoch: int = 0  # derived by configs/mqar.py (ceil(num_train / batch_size)); 0 = not checked
+    shuffle: bool = True  # the seed sets the order of the training examples, reshuffled every epoch; False = zoology's
 
     def __post_init__(self) -> None:
-        _at_least("mqar", self, 0, ("epochs", "num_train", "num_test", "eval_every_epochs", "steps_per_epoch"))
+        _at_least("mqar", self, 0, ("epochs", "num_train", "num_valid", "num_test", "eval_every_epochs",
+                                    "steps_per_epoch"))
 
 
 BLOCKS = {"data": DataConfig, "train": TrainConfig, "checkpoint": CheckpointConfig, "mesh": MeshConfig,

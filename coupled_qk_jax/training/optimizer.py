@@ -80,18 +80,25 @@ def scale_by_tree(multipliers: Any) -> optax.GradientTransformation:
 
 
 def learning_rate_schedule(train: TrainConfig) -> optax.Schedule:
+    """Linear warm-up then cosine decay to ``lr * min_lr_ratio`` at ``train.steps``, read at the last multiple of
+    ``train.schedule_every`` (1: every step; N: constant over each block of N steps, e.g. torch's CosineAnnealingLR
+    stepped once an epoch)."""
     lr, steps = train.lr, train.steps
     warmup = min(train.warmup_steps, max(steps - 1, 0))
-    return optax.warmup_cosine_decay_schedule(
+    schedule = optax.warmup_cosine_decay_schedule(
         init_value=0.0, peak_value=lr, warmup_steps=warmup, decay_steps=max(steps, warmup + 1),
         end_value=lr * train.min_lr_ratio)
+    every = train.schedule_every
+    if every == 1:
+        return schedule
+    return lambda step: schedule(step // every * every)
 
 
 def make_optimizer(params: Any, train: TrainConfig) -> optax.GradientTransformation:
-    """clip_by_global_norm -> adamw(schedule, decay mask) -> per-group multipliers (``train`` is validated: the
-    multipliers are >= 0)."""
+    """clip_by_global_norm (none when ``train.grad_clip`` is 0) -> adamw(schedule, decay mask) -> per-group
+    multipliers (``train`` is validated: the multipliers and grad_clip are >= 0)."""
     return optax.chain(
-        optax.clip_by_global_norm(train.grad_clip),
+        optax.clip_by_global_norm(train.grad_clip) if train.grad_clip > 0 else optax.identity(),
         optax.adamw(learning_rate_schedule(train), b1=train.b1, b2=train.b2, eps=train.eps,
                     weight_decay=train.weight_decay, mask=decay_mask(params)),
         scale_by_tree(lr_multipliers(params, train)),

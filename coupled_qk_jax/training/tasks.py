@@ -14,9 +14,10 @@ Tasks:
 * :class:`LMTask` (``task = "lm"``): shuffled windows of a token cache, every token a target once per epoch
   (``data.pipeline``), each seed its own order
   (``seed`` = the model seed, as in a single run); validation loss and perplexity over every token of a split.
-* :class:`MQARTask` (``task = "mqar"``, ``configs/mqar.py``): zoology's fixed batch order (the same for every seed:
-  in zoology the seed only changes the initialisation), accuracy per segment on the labelled positions only
-  (``data.mqar.MQARAccuracy``) and the masked cross-entropy of the test set.
+* :class:`MQARTask` (``task = "mqar"``, ``configs/mqar.py``): the training examples in a seeded order, reshuffled every
+  epoch (``mqar.shuffle``; off = zoology's fixed order, the same for every seed), accuracy per segment on the labelled
+  positions only (``data.mqar.MQARAccuracy``) and the masked cross-entropy of the held-out split asked for: the
+  validation segment (periodic evaluations, early stopping, selection) or the test segment.
 """
 
 from __future__ import annotations
@@ -133,13 +134,59 @@ class _HostRows:
         return {"inputs": batch["inputs"][rows], "targets": batch["labels"][rows]}
 
 
-class MQARTask:
-    """Zoology's MQAR (``data.mqar``): one train segment replayed in stored order every epoch, one test segment.
+class _EpochBatches:
+    """The training examples as a sequence of padded batches: ``[b]`` is batch ``b`` in stored order (zoology's);
+    :meth:`shuffled` gives batch ``i`` of the seeded order, epoch ``i // len(self)`` a fresh permutation.
 
-    The level (``mqar.level``) fixes L, N and the vocabulary; ``mqar.num_train`` / ``mqar.num_test`` size the two
-    segments (segment seeds derived as zoology's, data seed 123). Test batches hold ``train.eval_batch_size`` rows
-    (0: the level's test batch size rounded up to a multiple of the data-parallel devices; the extra rows are
-    padding, which the metric skips).
+    Every epoch is exactly the ``n`` examples once: ``ceil(n / B)`` batches, the last one filled up with padding rows
+    (label -100 everywhere, so they carry no weight in the loss), as in the stored order.
+    """
+
+    def __init__(self, inputs: np.ndarray, labels: np.ndarray, batch_size: int, num_kv_pairs: int) -> None:
+        self.inputs, self.labels = inputs, labels
+        self.batch_size, self.num_kv_pairs = batch_size, num_kv_pairs
+        self.n = int(inputs.shape[0])
+        self._perm: tuple[tuple[int, int], np.ndarray] | None = None  # the last (seed, epoch)'s permutation
+
+    def __len__(self) -> int:
+        return math.ceil(self.n / self.batch_size)
+
+    def _rows(self, rows: np.ndarray) -> dict[str, np.ndarray]:
+        return mqar.pad_batch(self.inputs[rows], self.labels[rows], self.batch_size, self.inputs.shape[1],
+                               self.num_kv_pairs)
+
+    def __getitem__(self, b: int) -> dict[str, np.ndarray]:
+        return self._rows(np.arange(b * self.batch_size, min((b + 1) * self.batch_size, self.n)))
+
+    def permutation(self, seed: int, epoch: int) -> np.ndarray:
+        """The order of epoch ``epoch`` under ``seed``: int64 [n], a pure function of (seed, epoch). SeedSequence
+        mixes both, so no two (seed, epoch) pairs share an order by construction (seed + epoch would)."""
+        cached = self._perm
+        if cached is not None and cached[0] == (seed, epoch):
+            return cached[1]
+        perm = np.random.default_rng(np.random.SeedSequence([seed, epoch])).permutation(self.n)
+        self._perm = ((seed, epoch), perm)
+        return perm
+
+    def shuffled(self, seed: int) -> Callable[[int, Any], dict[str, np.ndarray]]:
+        def batch(index: int, _: Any) -> dict[str, np.ndarray]:
+            epoch, b = divmod(int(index), len(self))
+            perm = self.permutation(seed, epoch)
+            return self._rows(perm[b * self.batch_size:(b + 1) * self.batch_size])
+
+        return batch
+
+
+class MQARTask:
+    """Zoology's MQAR (``data.mqar``): one train segment, one validation segment and one test segment of a level.
+
+    ``mqar.protocol`` ("cpu" or "zoology", ``data.mqar.PROTOCOLS``) and ``mqar.level`` fix L, N, the vocabulary and
+    the batch sizes; ``mqar.num_train`` / ``num_valid`` / ``num_test`` size the segments (train and test seeds as
+    zoology derives them, data seed 123; validation seeds a draw of their own, ``mqar.validation_seeds``). The three
+    splits are checked to share no example. Training visits every example once per epoch, in an order set by the
+    run's seed and reshuffled every epoch (``mqar.shuffle``; False = zoology's stored order for every seed). Held-out
+    batches hold ``train.eval_batch_size`` rows (0: the level's test batch size rounded up to a multiple of the
+    data-parallel devices; the extra rows are padding, which the metric skips).
     """
 
     name = "mqar"
@@ -147,20 +194,33 @@ class MQARTask:
     def __init__(self, config: RunConfig, batch_devices: int) -> None:
         self.config = config
         cfg, train = config.mqar, config.train
-        if cfg.level not in mqar.LEVELS:
-            raise UserError(f"mqar.level must be one of {sorted(mqar.LEVELS)}, got {cfg.level!r}")
-        level = mqar.LEVELS[cfg.level]
+        if cfg.protocol not in mqar.PROTOCOLS:
+            raise UserError(f"mqar.protocol must be one of {sorted(mqar.PROTOCOLS)}, got {cfg.protocol!r}")
+        levels = mqar.PROTOCOLS[cfg.protocol]
+        if cfg.level not in levels:
+            raise UserError(f"mqar.level must be one of {sorted(levels)}, got {cfg.level!r}")
+        level = levels[cfg.level]
         level = dataclasses.replace(level, num_train=cfg.num_train or level.num_train,
+                                    num_valid=cfg.num_valid or level.num_valid,
                                     num_test=cfg.num_test or level.num_test)
-        self.level = level
+        self.level, self.protocol, self.shuffle = level, cfg.protocol, cfg.shuffle
         if config.data.seq_len != level.seq_len:
             raise UserError(f"data.seq_len={config.data.seq_len} but MQAR level {cfg.level} has L={level.seq_len}; "
                             f"choose the level with the config argument (configs/mqar.py:VARIANT,LEVEL)")
         if config.model.vocab_size < level.vocab_size:
             raise UserError(f"model.vocab_size={config.model.vocab_size} is smaller than MQAR level {cfg.level}'s "
                             f"vocabulary {level.vocab_size}")
-        train_segs, test_segs = level.mix().segments()
-        self.train = mqar.make_batches(train_segs, train.batch_size)
+        mix = level.mix()
+        (train_seg,), (test_seg,) = mix.segments()
+        (valid_seg,) = mix.validation_segments()
+        splits = {"train": train_seg.generate(), "validation": valid_seg.generate(), "test": test_seg.generate()}
+        for a, b in (("validation", "train"), ("validation", "test"), ("test", "train")):
+            shared = mqar.overlapping_rows(splits[a], splits[b])
+            if shared.size:  # only a level with very few distinct examples (tiny vocabulary or length) gets here
+                raise UserError(f"MQAR level {cfg.level}: {shared.size} {a} example(s) also occur in {b}; a held-out "
+                                f"split must be disjoint from the others: use a larger vocabulary or fewer examples")
+        inputs, labels = (x.astype(np.int32) for x in splits["train"])
+        self.train = _EpochBatches(inputs, labels, train.batch_size, level.num_kv_pairs)
         if cfg.steps_per_epoch and len(self.train) != cfg.steps_per_epoch:
             raise UserError(f"mqar.steps_per_epoch={cfg.steps_per_epoch} but {level.num_train} examples in "
                             f"batches of {train.batch_size} make {len(self.train)}; leave it derived")
@@ -168,14 +228,19 @@ class MQARTask:
         if rows % batch_devices:
             raise UserError(f"train.eval_batch_size={rows} is not divisible by the {batch_devices} data-parallel "
                             f"devices")
-        self.test = mqar.make_batches(test_segs, rows)
+        self.held_out = {split: mqar.make_batches([splits[split]], rows) for split in ("validation", "test")}
+        self.valid, self.test = self.held_out["validation"], self.held_out["test"]
 
     def validate(self, batch_devices: int) -> None:
         del batch_devices  # checked in __init__
 
     def train_dataset(self, seed: int, slice_index: int, slice_count: int) -> grain.MapDataset:
-        del seed  # zoology's order: the same batches for every seed, every epoch
-        return grain.MapDataset.source(self.train).repeat().map(_HostRows(slice_index, slice_count))
+        """Element ``i`` is this host's rows of global batch ``i``: epoch ``i // steps_per_epoch`` in the order of
+        (``seed``, epoch), or, with ``mqar.shuffle`` off, zoology's stored order for every seed and epoch."""
+        host_rows = _HostRows(slice_index, slice_count)
+        if not self.shuffle:
+            return grain.MapDataset.source(self.train).repeat().map(host_rows)
+        return grain.MapDataset.range(len(self.train)).repeat().map_with_index(self.train.shuffled(seed)).map(host_rows)
 
     def make_evaluator(self, graphdef: nnx.GraphDef, params_shardings: Any, mesh: Mesh,
                        num_seeds: int) -> Evaluator:
@@ -190,10 +255,12 @@ class MQARTask:
         host_rows = _HostRows(slice_index, slice_count)
 
         def evaluate(params: Any, split: str = "validation", max_batches: int = 0) -> dict[str, Any]:
-            del split  # MQAR has one held-out set: the test segment (zoology's "valid" metrics)
+            # The metric names are zoology's ("valid/...") for either split; the caller records which one it asked.
+            if split not in self.held_out:
+                raise UserError(f"MQAR held-out split must be one of {sorted(self.held_out)}, got {split!r}")
             meters = [mqar.MQARAccuracy() for _ in range(num_seeds)]
             nll, tokens = np.zeros(num_seeds), 0
-            for i, batch in enumerate(self.test):
+            for i, batch in enumerate(self.held_out[split]):
                 if max_batches and i == max_batches:
                     break
                 preds, nll_sum, count = jax.device_get(step(params, shd.global_batch(host_rows(batch), mesh)))
@@ -204,7 +271,7 @@ class MQARTask:
                     meter.update(p, batch["labels"], batch["num_kv_pairs"])
             per_seed = [m.compute() for m in meters]
             out: dict[str, Any] = {k: np.array([m[k] for m in per_seed]) for k in per_seed[0]}
-            out["valid/loss"] = nll / max(tokens, 1)  # token mean of the masked CE over the test set
+            out["valid/loss"] = nll / max(tokens, 1)  # token mean of the masked CE over the split
             out["valid/examples"] = meters[0].num_examples
             return out
 
@@ -212,5 +279,6 @@ class MQARTask:
 
     def summary(self) -> dict[str, Any]:
         lvl = self.level
-        return {"level": lvl.name, "seq_len": lvl.seq_len, "num_kv_pairs": lvl.num_kv_pairs,
-                "num_train": lvl.num_train, "num_test": lvl.num_test, "steps_per_epoch": len(self.train)}
+        return {"level": lvl.name, "protocol": self.protocol, "seq_len": lvl.seq_len, "num_kv_pairs": lvl.num_kv_pairs,
+                "num_train": lvl.num_train, "num_valid": lvl.num_valid, "num_test": lvl.num_test,
+                "steps_per_epoch": len(self.train), "shuffle": self.shuffle}
