@@ -88,8 +88,9 @@ def compiled_figures(cfg, root: str) -> dict:
     import jax
 
     from coupled_qk_jax.training import loop
+    from coupled_qk_jax.training.config import RunConfig
 
-    s = loop.setup(cfg, root)
+    s = loop.setup(RunConfig.from_configdict(cfg), root)
     n_seeds, batch, seq = len(s.seeds), int(cfg.train.batch_size), int(cfg.data.seq_len)
     tokens = jax.ShapeDtypeStruct(((n_seeds,) if n_seeds > 1 else ()) + (batch, seq), jax.numpy.int32)
     compiled = loop.make_sharded_train_step(s).lower(s.abstract_state, {"inputs": tokens, "targets": tokens}).compile()

@@ -205,7 +205,7 @@ REBUILD_DRIFT_BOUND = 4.0
 def _rebuild_trusted(drift: Array) -> Array:
     """drift <= REBUILD_DRIFT_BOUND (False for NaN): the predicate of the backward pass's fallback `lax.cond`.
 
-    Under `jax.vmap` (the seed axis of a seed-parallel step, or `evolve_heads`' head axis) a batched predicate would
+    Under `jax.vmap` (the seed axis of a seed-parallel step, or a vmap over heads) a batched predicate would
     turn the cond into a select that runs the rebuild and the full recompute for every element (issue 25). The vmap
     rule decides for the whole batch instead: the rebuild is trusted only where it is trusted for every element, so
     the predicate stays unbatched, the cond stays a cond, and one backward path runs. Both paths give autodiff's
