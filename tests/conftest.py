@@ -51,8 +51,15 @@ os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", f"mesh: needs {MESH_DEVICES} CPU devices; runs in the session's one mesh "
-                                       "subprocess (tests/conftest.py)")
+    config.addinivalue_line("markers", f"mesh: needs several devices (a mesh in-process, or processes that each run "
+                                       f"on several); runs in the session's one subprocess with {MESH_DEVICES} CPU "
+                                       "devices (tests/conftest.py)")
+
+
+def runs_in_mesh_subprocess(request) -> bool:
+    """True in the main session for a fixture whose tests run in the mesh subprocess: an expensive fixture returns
+    None there instead of doing work that only the subprocess uses."""
+    return not IN_MESH_SUBPROCESS and request.node.get_closest_marker("mesh") is not None
 
 
 # ------------------------------------------------------------------------------------------ the mesh subprocess

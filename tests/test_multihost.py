@@ -19,6 +19,8 @@ import pytest
 from conftest import xla_flags
 from coupled_qk_jax import distributed
 
+# Processes with several CPU devices each: in the mesh lane (conftest.py), beside the main session.
+pytestmark = pytest.mark.mesh
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "multihost_worker.py"
 TIMEOUT_S = 240

@@ -425,9 +425,9 @@ def _start(run: RunConfig, config_json: dict[str, Any], workdir: str,
     """Check the run directory, set up, and restore (or initialise): ``(setup, data iterator, state, checkpoint
     meta, checkpoint extras)``; the extras are what every save stores beside the state."""
     main = jax.process_index() == 0
-    _, mcfg = check_config(cfg)  # config mistakes first, before the corpus is read
-    cache, fingerprint, changes = prepare_data(cfg, mcfg, workdir, allow_change)
-    s = setup(cfg, workdir, cache)
+    make_mesh(run)  # mesh mistakes before the corpus is read
+    cache, fingerprint, changes = prepare_data(run, config_json, workdir, allow_change)
+    s = setup(run, workdir, cache)
     if s.task.name == "lm" and main and s.task.summary()["skipped_non_utf8"]:
         print(f"warning: skipped {s.task.summary()['skipped_non_utf8']} non-UTF-8 file(s) in {run.data.corpus} "
               f"(see the token cache manifest)", flush=True)
