@@ -2,6 +2,7 @@
 
     python benchmarks/accelerator_check.py grads      [--small] --json OUT.json
     python benchmarks/accelerator_check.py attention  [--small] --json OUT.json
+    python benchmarks/accelerator_check.py pallas     [--small] --json OUT.json
     python benchmarks/accelerator_check.py step --scale 60m --variant coupled_euler [--small] --json OUT.json
     python benchmarks/accelerator_check.py report --parts DIR --out benchmarks/results/gpu_DATE
 
@@ -9,6 +10,10 @@ grads:     bf16 against fp32 gradients of every variant (same params and batch):
            similarity and the norm ratio; a leaf fails below cosine 0.99 or off by more than 5% in norm.
 attention: attention.causal_attention with impl="cudnn" against impl="explicit", bf16, forward and gradients
            (softmax and the differential mix); on a machine without cuDNN it records that and compares "xla".
+pallas:    the Pallas GPU (Triton) kernel (impl="pallas", issue 25.5) timed against cuDNN and the explicit path:
+           forward + backward median ms and the error against the explicit path, for bf16 softmax (cuDNN's case),
+           float32 softmax and the differential mix from bf16 inputs (float32 per-head outputs; cuDNN cannot).
+           With --small on a CPU the kernel runs in Pallas' interpreter and cuDNN is left out.
 step:      the real train step (sharding.jit_sharded, AdamW, bf16, the config's model with scanned layers)
            on random tokens: median step time over 10 steps after 3 warm-up steps, tokens/s, MFU against the
            device's bf16 peak (6N + 12·L·T·d FLOPs per token, benchmarks/memory_model.flops_per_token), the device's
@@ -109,6 +114,57 @@ def part_attention(small: bool) -> dict:
     return {"part": "attention", "status": "ok", **out}
 
 
+def part_pallas(small: bool) -> dict:
+    from coupled_qk_jax import attention  # noqa: PLC0415
+
+    b, t, h, d = (4, 1024, 8, 64) if not small else (1, 64, 2, 16)
+    on_gpu = jax.default_backend() == "gpu"
+    attention.PALLAS_GPU_INTERPRET = not on_gpu  # on a CPU (--small): the same kernel, interpreted
+    keys = jax.random.split(jax.random.key(0), 4)
+    lam = jnp.float32(0.3)
+    mix = jnp.tile(jnp.stack([jnp.ones_like(lam), -lam]), h // 2)
+    out = {"shape": [b, t, h, d], "interpreted": not on_gpu}
+    cases = (("softmax_bf16", jnp.bfloat16, None, ("explicit", "cudnn", "pallas")),
+             ("softmax_fp32", jnp.float32, None, ("explicit", "pallas")),
+             ("differential_bf16", jnp.bfloat16, mix, ("explicit", "pallas")))
+    for name, dtype, m, impls in cases:
+        q, k, v, co = (jax.random.normal(kk, (b, t, h, d), dtype) for kk in keys)
+        if m is not None:
+            v, co = v.reshape(b, t, h // 2, 2 * d), co.reshape(b, t, h // 2, 2 * d)
+        res = {}
+        for impl in impls:
+            if impl == "cudnn" and not on_gpu:
+                continue
+            fn = jax.jit(jax.value_and_grad(
+                lambda q, k, v, impl=impl, m=m, co=co: jnp.sum(
+                    causal_attention(q, k, v, m, impl).astype(jnp.float32) * co.astype(jnp.float32)),
+                argnums=(0, 1, 2)))
+            try:
+                loss, grads = jax.block_until_ready(fn(q, k, v))  # compile and first run
+                times = []
+                for _ in range(10):
+                    t0 = time.perf_counter()
+                    jax.block_until_ready(fn(q, k, v))
+                    times.append(time.perf_counter() - t0)
+                o = jax.jit(lambda q, k, v, impl=impl, m=m: causal_attention(q, k, v, m, impl))(q, k, v)
+                res[impl] = {"ms": 1e3 * statistics.median(times), "out_dtype": str(o.dtype),
+                             "o": np.asarray(o, np.float32), "g": [np.asarray(x, np.float32) for x in grads]}
+            except Exception as e:  # noqa: BLE001 - a kernel that fails is reported, the others still run
+                res[impl] = {"error": f"{type(e).__name__}: {e}"[:300]}
+        ref = res.get("explicit", {})
+        row = {}
+        for impl, r in res.items():
+            if "error" in r or "o" not in ref:
+                row[impl] = {"error": r.get("error", "no explicit reference")}
+                continue
+            row[impl] = {"fwd_bwd_ms": r["ms"], "out_dtype": r["out_dtype"],
+                         "forward_max_abs_err": float(np.max(np.abs(r["o"] - ref["o"]))),
+                         "grad_rel_err": [float(np.linalg.norm(a - c) / np.linalg.norm(a))
+                                          for a, c in zip(ref["g"], r["g"])]}
+        out[name] = row
+    return {"part": "pallas", "status": "ok", **out}
+
+
 def part_step(scale: str, variant: str, small: bool) -> dict:
     from benchmarks.memory_model import flops_per_token  # noqa: PLC0415
     from configs import lm  # noqa: PLC0415  (ml_collections: from the carried wheels)
@@ -181,6 +237,19 @@ def report(parts_dir: str, out: str) -> None:
             r = a[name]
             lines.append(f"| {name} | {r['forward_max_abs_err']:.2e} ({r['forward_max_abs']:.2f}) | "
                          f"{', '.join(f'{x:.2e}' for x in r['grad_rel_err'])} |")
+    pp = by.get("pallas", {})
+    lines += ["", "## Pallas GPU kernel vs cuDNN and explicit (forward + backward)", "",
+              f"status: {pp.get('status')}; [B, T, H, D] = {pp.get('shape')}"
+              f"{' (interpreted: not a timing)' if pp.get('interpreted') else ''}", "",
+              "| case | kernel | fwd+bwd ms | output dtype | forward max abs err | grad rel err q, k, v |",
+              "| --- | --- | --- | --- | --- | --- |"]
+    for name in ("softmax_bf16", "softmax_fp32", "differential_bf16"):
+        for impl, r in (pp.get(name) or {}).items():
+            if "error" in r:
+                lines.append(f"| {name} | {impl} | {r['error']} | | | |")
+            else:
+                lines.append(f"| {name} | {impl} | {r['fwd_bwd_ms']:.2f} | {r['out_dtype']} | "
+                             f"{r['forward_max_abs_err']:.2e} | {', '.join(f'{x:.2e}' for x in r['grad_rel_err'])} |")
     lines += ["", "## Train step (bf16, scanned layers, AdamW, batch 16 x 1024 on one device)", "",
               "| scale | variant | status | step ms | tokens/s | MFU | peak memory GiB | compile s |",
               "| --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -202,7 +271,7 @@ def report(parts_dir: str, out: str) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("part", choices=("grads", "attention", "step", "report"))
+    p.add_argument("part", choices=("grads", "attention", "pallas", "step", "report"))
     p.add_argument("--scale", default="60m")
     p.add_argument("--variant", default="standard")
     p.add_argument("--small", action="store_true")
@@ -217,6 +286,8 @@ def main(argv=None) -> int:
         result = part_grads(args.small)
     elif args.part == "attention":
         result = part_attention(args.small)
+    elif args.part == "pallas":
+        result = part_pallas(args.small)
     else:
         result = part_step(args.scale, args.variant, args.small)
         result["part"] = f"step_{args.scale}_{args.variant}"

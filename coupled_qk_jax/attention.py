@@ -4,7 +4,8 @@
     (q, k) <- QK transform      none | coupled dynamics (dynamics.py) | affine coupling (invertible.py)
     (q, k) <- RoPE              only with positions="rope": the transform runs *before* the rotation
     o      <- causal_attention  softmax, or differential (specs/diffattn.md) as the mix A1 − λ·A2 of half-heads;
-                                kernel: cuDNN (GPU) | Pallas flash (TPU) | explicit causal query blocks (CPU)
+                                kernel: cuDNN (GPU, bf16) | Pallas flash (TPU; GPU with a mix or in float32) |
+                                explicit causal query blocks (CPU)
     y      =  o W_O
 
 With differential scoring the H = n_heads projections are read as H/2 differential heads, each made of two
@@ -77,17 +78,49 @@ def apply_rope(x: Array, base: float, positions: Array | None = None) -> Array:
 # -------------------------------------------------------------------------------------------- the attention kernel
 IMPLEMENTATIONS = ("explicit", "xla", "cudnn", "pallas")
 PALLAS_BLOCK = 128  # the Pallas TPU flash kernel's default block: T must be a multiple of it
+# The Pallas GPU (Triton) kernel's query and key block here, half its default 128: with a mix it runs on float32
+# tiles, twice the bytes of bf16 ones. T must be a multiple of it, or a power of two below it (one block).
+PALLAS_GPU_BLOCK = 64
+# Run impl="pallas" as the Pallas GPU kernel in Pallas' interpreter on any backend (where its shapes allow, a
+# "pallas" request is then honoured there): how the GPU path is tested on CPU (tests/test_attention.py). Read while
+# tracing, so set it before a function is first traced.
+PALLAS_GPU_INTERPRET = False
 
 
-def choose_implementation(requested: str, dtype, head_dim: int, seq_len: int, platform: str | None = None) -> str:
-    """The kernel `causal_attention` runs: "auto" picks cuDNN on GPU in bf16/fp16 (head dim a multiple of 8, at most
-    128), the Pallas flash kernel on TPU (T a multiple of 128), and the explicit query-block path otherwise (CPU).
-    An explicit request is honoured where it can run; a cuDNN or Pallas request that cannot falls back to "explicit"
-    with a warning. `platform` defaults to `jax.default_backend()`."""
+def pallas_gpu_attention_module():
+    """jax.experimental.pallas.ops.gpu.attention, or None where this jax has none. jax 0.11 deprecated it (with the
+    Pallas Triton backend; tokamax.dot_product_attention is its successor), so its DeprecationWarning is silenced
+    here and a jax that has removed it makes choose_implementation fall back."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            from jax.experimental.pallas.ops.gpu import attention as pallas_gpu  # noqa: PLC0415
+    except ImportError:
+        return None
+    return pallas_gpu
+
+
+def _pallas_gpu_ok(head_dim: int, seq_len: int) -> bool:
+    """Shapes the Pallas GPU kernel takes: T in whole blocks (or one power-of-two block of at least 16), and a head
+    dim of 16..128 (Triton's dots need 16; the float32 tiles of wider heads outgrow shared memory)."""
+    one_block = 16 <= seq_len < PALLAS_GPU_BLOCK and seq_len & (seq_len - 1) == 0
+    return ((seq_len % PALLAS_GPU_BLOCK == 0 or one_block) and 16 <= head_dim <= 128
+            and pallas_gpu_attention_module() is not None)
+
+
+def choose_implementation(requested: str, dtype, head_dim: int, seq_len: int, platform: str | None = None,
+                          mix: bool = False) -> str:
+    """The kernel `causal_attention` runs: "auto" picks cuDNN on GPU in bf16/fp16 without a mix (head dim a multiple
+    of 8, at most 128), else on GPU the Pallas GPU (Triton) kernel (with a mix or in float32: cuDNN returns only
+    bf16/fp16; T in blocks of 64, head dim 16..128), the Pallas flash kernel on TPU (T a multiple of 128), and the
+    explicit query-block path otherwise (CPU). `mix`: the scoring has a mix (Differential Attention). An explicit
+    request is honoured where it can run; a cuDNN or Pallas request that cannot falls back to "explicit" with a
+    warning. `platform` defaults to `jax.default_backend()`."""
     platform = platform or jax.default_backend()
-    cudnn_ok = (platform == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
+    cudnn_ok = (platform == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and not mix
                 and head_dim % 8 == 0 and head_dim <= 128)
-    pallas_ok = platform == "tpu" and seq_len % PALLAS_BLOCK == 0
+    pallas_ok = ((platform == "tpu" and seq_len % PALLAS_BLOCK == 0)
+                 or ((platform == "gpu" or PALLAS_GPU_INTERPRET) and _pallas_gpu_ok(head_dim, seq_len)))
     if requested in ("xla", "explicit"):
         return requested
     if requested == "auto":
@@ -96,7 +129,8 @@ def choose_implementation(requested: str, dtype, head_dim: int, seq_len: int, pl
         raise ValueError(f"attention_impl must be 'auto' or one of {IMPLEMENTATIONS}, got {requested!r}")
     if not (cudnn_ok if requested == "cudnn" else pallas_ok):
         warnings.warn(f"attention_impl={requested!r} unavailable (platform={platform}, dtype={jnp.dtype(dtype)}, "
-                      f"head_dim={head_dim}, seq_len={seq_len}); falling back to 'explicit'", stacklevel=2)
+                      f"head_dim={head_dim}, seq_len={seq_len}{', with a mix' if mix else ''}); falling back to "
+                      "'explicit'", stacklevel=2)
         return "explicit"
     return requested
 
@@ -139,8 +173,8 @@ def causal_attention(q: Array, k: Array, v: Array, mix: Array | None = None, imp
     kernels run on float32 operands and cuDNN (bf16/fp16 only) gives way to the explicit path.
 
     impl: "explicit" (einsums in causal query blocks, `n_chunks` of them, 0 = auto_chunks), "xla" / "cudnn"
-    (jax.nn.dot_product_attention), "pallas" (the Pallas TPU flash kernel) or "auto" (choose_implementation, per
-    lowering platform). return_weights=True (explicit only)
+    (jax.nn.dot_product_attention), "pallas" (the Pallas flash kernel: TPU's, or the GPU (Triton) one in a program
+    lowered for CUDA) or "auto" (choose_implementation, per lowering platform). return_weights=True (explicit only)
     also returns the mixed attention matrices [B, G, T, T] in fp32: the diagnostics read them from this same kernel.
 
     visible: bool [B, T, S] replaces the causal mask for cached decoding (explicit only, one block): k and v then
@@ -157,15 +191,21 @@ def causal_attention(q: Array, k: Array, v: Array, mix: Array | None = None, imp
         raise ValueError("causal_attention: return_weights and visible need impl='explicit'")
     if impl == "auto":
         # The kernel for this process's backend, except that a program lowered for TPU takes the Pallas kernel where
-        # T allows: jax.lax.platform_dependent picks per lowering platform, so a step compiled on a TPU host or
-        # exported for TPU from any host (jax.export) gets it, and XLA drops the branch a platform does not take.
-        here = choose_implementation("auto", q.dtype, d, t)
-        on_tpu = choose_implementation("auto", q.dtype, d, t, platform="tpu")
-        if here == on_tpu:
+        # T allows, and one lowered for CUDA the Pallas GPU kernel where auto picks it there: jax.lax.platform_dependent
+        # picks per lowering platform, so a step compiled on the device's host or exported for it from any host
+        # (jax.export) gets it, and XLA drops the branches a platform does not take. cuDNN is left to a GPU host:
+        # jax checks the cuDNN version while tracing it.
+        here = choose_implementation("auto", q.dtype, d, t, mix=mix is not None)
+        chosen = {p: choose_implementation("auto", q.dtype, d, t, platform=p, mix=mix is not None)
+                  for p in ("tpu", "gpu")}
+        branches = {"tpu": chosen["tpu"], "cuda": chosen["gpu"] if chosen["gpu"] != "cudnn" else here}
+        branches = {p: name for p, name in branches.items() if name != here}
+        if not branches:
             return causal_attention(q, k, v, mix, here, n_chunks)
         kernel = {name: functools.partial(causal_attention, mix=mix, impl=name, n_chunks=n_chunks)
-                  for name in (here, on_tpu)}
-        return jax.lax.platform_dependent(q, k, v, tpu=kernel[on_tpu], default=kernel[here])
+                  for name in {here, *branches.values()}}
+        return jax.lax.platform_dependent(q, k, v, default=kernel[here],
+                                          **{p: kernel[name] for p, name in branches.items()})
     # A mix needs each head's output in float32. λ's gradient is −Σ⟨g, o2⟩ with g ⊥ o1 − λ·o2 (the caller's head
     # norm), and o1, o2 rounded to bf16 independently carry an error as large as the part of o2 that counts: through
     # bf16 kernel outputs λ's gradient was off by up to 5× (docs/scaling.md). The XLA and Pallas kernels return
@@ -242,17 +282,49 @@ def _explicit_attention(q: Array, k: Array, v: Array, mix: Array | None, n_chunk
 
 
 def _fused_attention(q: Array, k: Array, v: Array, impl: str) -> Array:
-    """One fused causal kernel on [B, T, H, D] (scale D**-0.5): jax.nn.dot_product_attention, or the Pallas TPU
-    flash kernel, which takes [B, H, T, D] (its transposes stay here)."""
+    """One fused causal kernel on [B, T, H, D] (scale D**-0.5), returning q's dtype: jax.nn.dot_product_attention,
+    or a Pallas flash kernel: the GPU one where the program is lowered for CUDA (PALLAS_GPU_INTERPRET: everywhere,
+    interpreted) and the TPU one otherwise (on CPU under pltpu.force_tpu_interpret_mode). Each is traced only where
+    T and D suit it (a kernel can refuse its shapes while tracing)."""
     if impl in ("xla", "cudnn"):
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
-    if impl == "pallas":
-        from jax.experimental.pallas.ops.tpu import flash_attention as pallas_flash  # noqa: PLC0415
+    if impl != "pallas":
+        raise ValueError(f"unknown attention implementation {impl!r}; expected one of {IMPLEMENTATIONS}")
+    if PALLAS_GPU_INTERPRET:
+        return _pallas_gpu_attention(q, k, v, interpret=True)
+    t, d = q.shape[1], q.shape[-1]
+    kernels = {}
+    if _pallas_gpu_ok(d, t):
+        kernels["cuda"] = _pallas_gpu_attention
+    if t % PALLAS_BLOCK == 0:
+        kernels["default"] = _pallas_tpu_attention
+    if not kernels:
+        raise ValueError(f"causal_attention: no Pallas kernel takes T={t}, head dim {d} (choose_implementation)")
+    if list(kernels) == ["default"]:
+        return _pallas_tpu_attention(q, k, v)
+    return jax.lax.platform_dependent(q, k, v, **kernels)
 
-        qt, kt, vt = (jnp.swapaxes(a, 1, 2) for a in (q, k, v))
-        o = pallas_flash.flash_attention(qt, kt, vt, causal=True, sm_scale=q.shape[-1] ** -0.5)
-        return jnp.swapaxes(o, 1, 2)
-    raise ValueError(f"unknown attention implementation {impl!r}; expected one of {IMPLEMENTATIONS}")
+
+def _pallas_tpu_attention(q: Array, k: Array, v: Array) -> Array:
+    """The Pallas TPU flash kernel, which takes [B, H, T, D] (its transposes stay here)."""
+    from jax.experimental.pallas.ops.tpu import flash_attention as pallas_flash  # noqa: PLC0415
+
+    qt, kt, vt = (jnp.swapaxes(a, 1, 2) for a in (q, k, v))
+    o = pallas_flash.flash_attention(qt, kt, vt, causal=True, sm_scale=q.shape[-1] ** -0.5)
+    return jnp.swapaxes(o, 1, 2)
+
+
+def _pallas_gpu_attention(q: Array, k: Array, v: Array, interpret: bool = False) -> Array:
+    """The Pallas GPU (Triton) flash kernel on [B, T, H, D], its own layout. It accumulates in float32 and writes
+    q's dtype, so float32 operands (a mix) give float32 per-head outputs. Its float32 dots run as TF32 on GPUs that
+    have it, the default precision of XLA's float32 matmuls there too (the explicit path's)."""
+    pallas_gpu = pallas_gpu_attention_module()
+    t = q.shape[1]
+    block = min(PALLAS_GPU_BLOCK, t)
+    sizes = pallas_gpu.BlockSizes(block_q=block, block_k=block, block_q_dkv=min(32, t), block_kv_dkv=min(32, t),
+                                  block_q_dq=min(32, t), block_kv_dq=min(32, t))
+    return pallas_gpu.mha(q, k, v, None, sm_scale=q.shape[-1] ** -0.5, causal=True, block_sizes=sizes,
+                          interpret=interpret)
 
 
 # ---------------------------------------------------------------------------------------------------- QK transforms
@@ -387,7 +459,7 @@ class CausalSelfAttention(nnx.Module):
         cfg, dtype = self.cfg, x.dtype
         impl = "explicit" if collect else cfg.attention_impl
         if impl not in ("auto", "explicit"):  # a named kernel: honoured where it can run (choose_implementation)
-            impl = choose_implementation(impl, dtype, cfg.head_dim, x.shape[1])
+            impl = choose_implementation(impl, dtype, cfg.head_dim, x.shape[1], mix=cfg.scoring == "differential")
         q = jnp.einsum("btd,dhk->bthk", x, self.wq[...].astype(dtype))
         k = jnp.einsum("btd,dhk->bthk", x, self.wk[...].astype(dtype))
         v = jnp.einsum("btd,dhk->bthk", x, self.wv[...].astype(dtype))

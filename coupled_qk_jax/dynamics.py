@@ -39,7 +39,9 @@ Backward pass (`backward=`, `model.dynamics_backward`):
   layer's shape, Δt = 0.1 and n <= 7 an RMS of about 0.5 units of the dtype's epsilon in float32 and in bfloat16
   (less gradient error than the dtype's own rounding), but growing exponentially with Δt·n. So the VJP also keeps
   (q_0, k_0), checks the rebuilt pair against them, and where the drift exceeds REBUILD_DRIFT_BOUND recomputes the
-  gradients from stored states instead (benchmarks/NOTES.md).
+  gradients from stored states instead (benchmarks/NOTES.md). Under `jax.vmap` (seed-parallel training vmaps the
+  whole step over seeds) that decision is taken once for the whole batch (`_rebuild_trusted`), so the seed-parallel
+  step runs one backward path, not both.
 """
 
 from __future__ import annotations
@@ -199,6 +201,25 @@ def _leapfrog_reversible(f: Callable, n_steps: int, unroll: int | bool, q: Array
 REBUILD_DRIFT_BOUND = 4.0
 
 
+@jax.custom_batching.custom_vmap
+def _rebuild_trusted(drift: Array) -> Array:
+    """drift <= REBUILD_DRIFT_BOUND (False for NaN): the predicate of the backward pass's fallback `lax.cond`.
+
+    Under `jax.vmap` (the seed axis of a seed-parallel step, or a vmap over heads) a batched predicate would
+    turn the cond into a select that runs the rebuild and the full recompute for every element (issue 25). The vmap
+    rule decides for the whole batch instead: the rebuild is trusted only where it is trusted for every element, so
+    the predicate stays unbatched, the cond stays a cond, and one backward path runs. Both paths give autodiff's
+    gradients to rounding, so falling back for all elements when one drifts changes only the cost."""
+    return drift <= REBUILD_DRIFT_BOUND
+
+
+@_rebuild_trusted.def_vmap
+def _rebuild_trusted_vmap(axis_size: int, in_batched: list[bool], drift: Array) -> tuple[Array, bool]:
+    del axis_size  # the rule sees the batched drift [axis_size, ...] and returns one unbatched decision
+    trusted = _rebuild_trusted(drift)
+    return (jnp.all(trusted) if in_batched[0] else trusted), False
+
+
 def _leapfrog_reversible_fwd(f, n_steps, unroll, q, k, dt, *f_consts):
     q_n, k_n = _leapfrog_reversible(f, n_steps, unroll, q, k, dt, *f_consts)
     return (q_n, k_n), (q, k, q_n, k_n, dt, f_consts)
@@ -215,7 +236,7 @@ def _leapfrog_reversible_bwd(f, n_steps, unroll, residuals, cotangents):
     The walk ends at a rebuilt (q_0, k_0), checked against the true inputs (kept as residuals: the same two tensors
     the recomputing VJP keeps). Where the drift exceeds REBUILD_DRIFT_BOUND (or is not finite) the gradients are
     recomputed from stored states instead (`lax.cond`; `_recompute_bwd`), so a large Δt·n never returns the
-    rebuild's exponentially grown error.
+    rebuild's exponentially grown error. Under vmap the predicate is reduced over the batch (`_rebuild_trusted`).
     """
     q0, k0, q, k, dt, f_consts = residuals
     gq, gk = cotangents
@@ -255,7 +276,7 @@ def _leapfrog_reversible_bwd(f, n_steps, unroll, residuals, cotangents):
     rebuilt = (gq, gk, g_dt, *[g.astype(c.dtype) for g, c in zip(g_consts, f_consts)])
     sq = lambda a: jnp.sum(jnp.square(a.astype(acc)))
     drift = jnp.sqrt((sq(q_r - q0) + sq(k_r - k0)) / (sq(q0) + sq(k0) + jnp.finfo(acc).tiny)) / jnp.finfo(q.dtype).eps
-    return jax.lax.cond(drift <= REBUILD_DRIFT_BOUND, lambda: rebuilt,
+    return jax.lax.cond(_rebuild_trusted(drift), lambda: rebuilt,
                         lambda: _recompute_bwd(f, n_steps, "leapfrog", unroll, (q0, k0, dt, f_consts), cotangents))
 
 

@@ -11,6 +11,7 @@ import pytest
 
 from coupled_qk_jax import attention
 from coupled_qk_jax.attention import auto_chunks, choose_implementation
+from coupled_qk_jax.config import ALL_VARIANTS, ModelConfig
 
 B, H, D = 2, 4, 8
 causal_attention = jax.jit(attention.causal_attention, static_argnames=("impl", "n_chunks", "return_weights"))
@@ -108,7 +109,8 @@ def test_pallas_tpu_flash_in_interpret_mode_matches_explicit():
 
 @pytest.mark.parametrize("requested,dtype,head_dim,seq,platform,expected", [
     ("auto", jnp.bfloat16, 64, 256, "gpu", "cudnn"),
-    ("auto", jnp.float32, 64, 256, "gpu", "explicit"),   # cuDNN attention needs bf16/fp16
+    ("auto", jnp.float32, 64, 256, "gpu", "pallas"),   # cuDNN attention needs bf16/fp16: the Pallas GPU kernel
+    ("auto", jnp.float32, 64, 200, "gpu", "explicit"),  # T not in the Pallas GPU kernel's blocks of 64
     ("auto", jnp.bfloat16, 160, 256, "gpu", "explicit"),  # head dim over 128
     ("auto", jnp.bfloat16, 64, 256, "tpu", "pallas"),
     ("auto", jnp.float32, 64, 384, "tpu", "pallas"),
@@ -121,11 +123,25 @@ def test_choose_implementation(requested, dtype, head_dim, seq, platform, expect
     assert choose_implementation(requested, dtype, head_dim, seq, platform) == expected
 
 
+@pytest.mark.parametrize("requested,dtype,head_dim,seq,expected", [
+    ("auto", jnp.bfloat16, 64, 256, "pallas"),  # cuDNN returns bf16 per-head outputs: the Pallas GPU kernel
+    ("auto", jnp.float32, 32, 32, "pallas"),    # one power-of-two block
+    ("auto", jnp.bfloat16, 64, 96, "explicit"),  # T neither whole blocks of 64 nor one power-of-two block
+    ("auto", jnp.bfloat16, 8, 256, "explicit"),  # head dim under Triton's 16
+    ("pallas", jnp.bfloat16, 64, 256, "pallas"),
+])
+def test_choose_implementation_on_gpu_with_a_mix(requested, dtype, head_dim, seq, expected):
+    """Issue 25.5: Differential Attention on GPU gets the fused Pallas GPU kernel instead of the explicit path."""
+    assert choose_implementation(requested, dtype, head_dim, seq, "gpu", mix=True) == expected
+
+
 def test_unavailable_kernel_falls_back_with_a_warning():
     with pytest.warns(UserWarning, match="falling back to 'explicit'"):
         assert choose_implementation("cudnn", jnp.bfloat16, 64, 256, "cpu") == "explicit"
     with pytest.warns(UserWarning, match="falling back"):
         assert choose_implementation("pallas", jnp.bfloat16, 64, 100, "tpu") == "explicit"
+    with pytest.warns(UserWarning, match=r"with a mix\); falling back"):
+        assert choose_implementation("cudnn", jnp.bfloat16, 64, 256, "gpu", mix=True) == "explicit"
     with pytest.raises(ValueError, match="mix must have shape"):
         attention.causal_attention(jnp.zeros((1, 8, H, D)), jnp.zeros((1, 8, H, D)), jnp.zeros((1, 8, H // 2, D)),
                                    jnp.ones(3))
@@ -139,3 +155,42 @@ def test_auto_on_cpu_is_the_explicit_kernel_with_no_tpu_branch_left():
     hlo = auto.lower(q, k, v).compile().as_text()
     assert not re.search(r"\bconditional\(", hlo) and "tpu_custom_call" not in hlo
     np.testing.assert_allclose(auto(q, k, v), np_attention(q, k, v)[0], rtol=2e-5, atol=2e-5)
+
+
+MIX_VARIANTS = [v for v in ALL_VARIANTS if v.endswith("differential")]
+
+
+def test_pallas_gpu_kernel_in_interpret_mode_matches_explicit_for_every_variant_with_a_mix(monkeypatch):
+    """Issue 25.5: model.attention_impl="pallas" as on a GPU (the Pallas GPU kernel, run by Pallas' interpreter on
+    CPU): a float32 attention layer's output and its gradients (input and every parameter, off init so that every
+    QK transform acts) equal the explicit path's, for every variant with a mix and for float32 softmax (standard);
+    T = 32 (one block of the kernel), head dim 16. Positive control: the program holds the interpreted kernels
+    (while loops over their grids), which the explicit one lacks."""
+    from flax import nnx
+
+    x = jax.random.normal(jax.random.key(0), (1, 32, 32))
+    cot = jax.random.normal(jax.random.key(1), (1, 32, 32))
+    variants = ["standard"] + MIX_VARIANTS
+
+    def layer_grads(impl):
+        def one(variant):
+            cfg = ModelConfig(variant=variant, vocab_size=61, max_len=32, d_model=32, n_layers=1, n_heads=2, d_ff=32,
+                              coupling_hidden=8, affine_hidden=8, n_steps=2, attention_impl=impl)
+            layer = attention.CausalSelfAttention(cfg, 0, jax.random.key(0))
+            rng = np.random.default_rng(0)
+            for _, var in nnx.to_flat_state(nnx.state(layer, nnx.Param)):
+                var.set_value(var.get_value() + jnp.asarray(0.1 * rng.normal(size=var.get_value().shape),
+                                                            jnp.float32))
+            return nnx.value_and_grad(lambda layer, x: jnp.sum(layer(x) * cot), argnums=(0, 1))(layer, x)
+
+        return jax.jit(lambda: [one(v) for v in variants])
+
+    monkeypatch.setattr(attention, "PALLAS_GPU_INTERPRET", True)
+    fused, explicit = layer_grads("pallas"), layer_grads("explicit")
+    assert (fused.lower().as_text().count("stablehlo.while")
+            >= explicit.lower().as_text().count("stablehlo.while") + 3 * len(variants))  # kernel fwd, dq, dk/dv
+    for variant, (lg, gg), (lw, gw) in zip(variants, fused(), explicit()):
+        np.testing.assert_allclose(lg, lw, rtol=1e-5, err_msg=variant)
+        for (path, g), w in zip(jax.tree_util.tree_flatten_with_path(gg)[0], jax.tree.leaves(gw)):
+            np.testing.assert_allclose(g, w, rtol=2e-4, atol=2e-4 * float(jnp.max(jnp.abs(w))),
+                                       err_msg=f"{variant} {jax.tree_util.keystr(path)}")

@@ -327,3 +327,68 @@ def test_leapfrog_rebuild_falls_back_to_stored_states_when_it_drifts():
     want = jax.jit(_grad_fn("batched", n_steps, "leapfrog", "autodiff"))(q, k, dt, p, rq, rk)
     got = jax.jit(_grad_fn("batched", n_steps, "leapfrog", "reversible"))(q, k, dt, p, rq, rk)
     _assert_trees_close(got, want, rtol=1e-5)
+
+
+# ------------------------------------------------------------- seed-parallel (vmapped) leapfrog: one backward path
+def _sub_jaxprs(values):
+    for v in values:
+        if isinstance(v, (tuple, list)):
+            yield from _sub_jaxprs(v)
+        elif hasattr(v, "eqns"):
+            yield v
+        elif hasattr(getattr(v, "jaxpr", None), "eqns"):
+            yield v.jaxpr
+
+
+def _f_evaluations(jaxpr) -> set[int]:
+    """Every count of f evaluations one execution of `jaxpr` can make: a host-side walk counting `logistic` (f's
+    SiLU; the VJP reuses the forward's, so one per f evaluation), times a scan's length, one branch per `cond`."""
+    paths = {0}
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "logistic":
+            inner = {1}
+        elif eqn.primitive.name == "cond":
+            inner = set().union(*(_f_evaluations(b.jaxpr) for b in eqn.params["branches"]))
+        elif eqn.primitive.name == "scan":
+            inner = {eqn.params["length"] * c for c in _f_evaluations(eqn.params["jaxpr"].jaxpr)}
+        else:
+            inner = {0}
+            for sub in _sub_jaxprs(eqn.params.values()):  # pjit, custom_vjp_call, custom_vmap_call, ...
+                inner = {a + b for a in inner for b in _f_evaluations(sub)}
+        paths = {a + b for a in paths for b in inner}
+    return paths
+
+
+def _seed_parallel_grad(n_steps, backward, n_seeds=3, dts=None):
+    """jit(vmap(grad)) over a leading seed axis (as training/loop.py vmaps the step) and its inputs."""
+    cases = [_grad_case(20 + s, per_head=False) for s in range(n_seeds)]
+    q, k, dt, p, rq, rk = jax.tree.map(lambda *xs: jnp.stack(xs), *cases)
+    if dts is not None:
+        dt = jnp.broadcast_to(jnp.asarray(dts, jnp.float32)[:, None], dt.shape)
+    return jax.jit(jax.vmap(_grad_fn("batched", n_steps, "leapfrog", backward))), (q, k, dt, p, rq, rk)
+
+
+def test_seed_parallel_leapfrog_runs_one_backward_path(monkeypatch):
+    """Issue 25.3: under vmap over 3 seeds the drift fallback stays a cond, so a step evaluates f 2n + 2 times
+    (n + 1 forward, n + 1 rebuilding) or, falling back, 6n + 2 (+ 4n recomputing), never both paths at once. Positive
+    control: a per-seed (batched) predicate, today's, turns the cond into a select that always pays 6n + 2."""
+    n = 3
+    fn, args = _seed_parallel_grad(n, "reversible")
+    assert _f_evaluations(jax.make_jaxpr(fn)(*args).jaxpr) == {2 * n + 2, 6 * n + 2}
+    assert fn.lower(*args).compile().as_text().count(" conditional(") == 1
+
+    monkeypatch.setattr(dynamics, "_rebuild_trusted", lambda drift: drift <= dynamics.REBUILD_DRIFT_BOUND)
+    fn, args = _seed_parallel_grad(n, "reversible")
+    assert _f_evaluations(jax.make_jaxpr(fn)(*args).jaxpr) == {6 * n + 2}
+    assert fn.lower(*args).compile().as_text().count(" conditional(") == 0
+
+
+def test_seed_parallel_leapfrog_gradients_when_one_seed_drifts():
+    """n = 16 with seed 1 at Δt = 1 (its rebuild drifts far past the bound, as in the single-seed fallback test) and
+    seeds 0, 2 at Δt = 0.1: every seed's gradients equal autodiff's (fp32, rtol 1e-5), and so do they with no seed
+    drifting (all Δt = 0.1, the rebuild path)."""
+    for dts in ([0.1, 1.0, 0.1], [0.1, 0.1, 0.1]):
+        fn, args = _seed_parallel_grad(16, "autodiff", dts=dts)
+        want = fn(*args)
+        fn, args = _seed_parallel_grad(16, "reversible", dts=dts)
+        _assert_trees_close(fn(*args), want, rtol=1e-5)

@@ -173,6 +173,25 @@ def test_differential_lambda_gradient_matches_float64_through_every_kernel():
         assert abs(g / ref - 1) < 5e-3, (impl, g, ref)
 
 
+def test_differential_lambda_gradient_matches_float64_through_the_pallas_gpu_kernel(monkeypatch):
+    """Issue 25.5: the same λ gradient through the Pallas GPU kernel (interpret mode; head dim 16, its minimum, and
+    T = 64, one block), from bf16 q, k, v with small scores (A1 ≈ A2): the kernel gets float32 operands and returns
+    float32 per-head outputs, so it is within 5e-4 of float64, as the other fused kernels are."""
+    monkeypatch.setattr(attention, "PALLAS_GPU_INTERPRET", True)
+    ks = jax.random.split(jax.random.key(1), 4)
+    q, k = ((0.1 * jax.random.normal(kk, (2, 64, 4, 16))).astype(jnp.bfloat16) for kk in ks[:2])
+    v = jax.random.normal(ks[2], (2, 64, 2, 32)).astype(jnp.bfloat16)
+    cot = jax.random.normal(ks[3], (2, 64, 2, 32))
+
+    def loss(lam):
+        o = attention.causal_attention(q, k, v, jnp.tile(jnp.stack([jnp.ones_like(lam), -lam]), 2), "pallas")
+        assert o.dtype == jnp.float32
+        return jnp.sum(attention.rms_norm(o, jnp.ones(32), 1e-5) * cot)
+
+    got, ref = float(jax.jit(jax.grad(loss))(jnp.float32(0.35))), np_lambda_gradient(q, k, v, 0.35, cot)
+    assert abs(got / ref - 1) < 5e-4, (got, ref)
+
+
 def test_add_bias_gradient_is_a_float32_sum():
     """The bias gradient of a bf16 activation is its cotangent summed over 4096 rows, in float32: it matches the float64
     sum of the same bf16 cotangents to float32 rounding (a bf16 result could not: its spacing at 12k is 64)."""
