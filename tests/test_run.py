@@ -36,7 +36,9 @@ from test_training import leaves_with_names, tiny_config
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURE = os.path.join(ROOT, "tests", "fixtures", "run_v1")
 EXPECTED = json.load(open(os.path.join(ROOT, "tests", "fixtures", "run_v1_expected.json"), encoding="utf-8"))
-KEEP_BEST_NOTE = "checkpoint.keep_best: not in this run, using default ''"
+# The fields added since the fixture was written, each at the default that means what the run did.
+ADDED_NOTES = ["checkpoint.keep_best: not in this run, using default ''",
+               "train.schedule_every: not in this run, using default 1"]
 
 
 def _cli(script: str, *args: str, devices: int = 1) -> subprocess.CompletedProcess:
@@ -74,7 +76,7 @@ def _tensor_sha256(directory) -> dict[str, str]:
 
 def test_old_version_run_evaluates_samples_and_exports_bitwise_as_then(fixture_run, tmp_path):
     run = Run.open(fixture_run)
-    assert run.notes == [KEEP_BEST_NOTE]  # the one field added since, at the default that means what the run did
+    assert run.notes == ADDED_NOTES
     assert run.steps == [3, 6] and run.num_replicas == 1 and run.seeds == [0] and run.tokenizer.kind == "byte"
     assert run.fingerprint["tokenizer"]["kind"] == "byte"
     for split in ("validation", "test"):
@@ -110,7 +112,7 @@ def test_removed_and_added_fields_follow_the_upgrade_table(fixture_run):
     run = Run.open(fixture_run)
     assert run.notes == ["model.coupling_lowering: removed from this version; the run used its last default "
                          "'batched', dropped",
-                         KEEP_BEST_NOTE, "model.attention_chunks: not in this run, using default 0"]
+                         *ADDED_NOTES, "model.attention_chunks: not in this run, using default 0"]
     assert run.evaluate("validation")["loss"] == EXPECTED["validation"]["loss"]
     saved = json.loads((fixture_run / "config.json").read_text())
     assert rundir.resume_changes(saved, current, (), str(fixture_run)) == {}  # train.py would resume it
@@ -207,7 +209,7 @@ def test_readers_print_one_line_per_damaged_step_and_no_library_warnings(fixture
     exported = tmp_path / "exported"
     out = _cli("export.py", f"--workdir={fixture_run}", f"--out={exported}", "--step=6")
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stderr.splitlines() == [f"note: {KEEP_BEST_NOTE}"]
+    assert out.stderr.splitlines() == [f"note: {n}" for n in ADDED_NOTES]
     assert out.stdout.splitlines() == [f"exported {fixture_run} -> {exported}"]
     ids = ",".join(map(str, EXPECTED["greedy"]["prompts"][0]))
     out = _cli("sample.py", f"--exported={exported}", f"--ids={ids}", "--temperature=0",
@@ -224,9 +226,9 @@ def test_readers_print_one_line_per_damaged_step_and_no_library_warnings(fixture
     out = _cli("eval.py", f"--workdir={fixture_run}", f"--out={tmp_path / 'eval'}")
     assert out.returncode == 0, out.stderr[-3000:]
     err = out.stderr.splitlines()
-    assert len(err) == 2 and err[0] == f"note: {KEEP_BEST_NOTE}", out.stderr[-3000:]
-    assert err[1].startswith(f"warning: checkpoint step 6 in {fixture_run / 'checkpoints'} is damaged (")
-    assert err[1].endswith("; trying step 3")
+    assert err[:-1] == [f"note: {n}" for n in ADDED_NOTES], out.stderr[-3000:]
+    assert err[-1].startswith(f"warning: checkpoint step 6 in {fixture_run / 'checkpoints'} is damaged (")
+    assert err[-1].endswith("; trying step 3")
     assert out.stdout.splitlines()[0].startswith("step 3 validation: loss ")
     assert sorted(os.listdir(fixture_run / "checkpoints")) == ["3", "6"]  # readers move and delete nothing
 
@@ -314,6 +316,7 @@ def test_eval_cli_prints_a_row_per_replica(two_seed, tmp_path):
 # ---------------------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.mesh  # an 8-device subprocess: in the mesh lane, beside the main session (conftest.py)
 def test_runs_trained_on_8_devices_read_alike_on_1_and_2(tmp_path):
     out = _cli(os.path.join("tests", "scripts", "run_portability.py"), str(tmp_path), devices=8)
     assert out.returncode == 0, out.stderr[-4000:]
