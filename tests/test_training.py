@@ -6,6 +6,7 @@ tmp_path, so nothing needs a download or BPE training.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 
@@ -321,3 +322,40 @@ def test_ignore_index_targets_do_not_count():
     ref = -(lp[0, 0, 1] + lp[0, 2, 4] + lp[1, 2, 0])
     assert int(count) == 3
     np.testing.assert_allclose(float(total), ref, rtol=1e-5)
+
+
+def test_extending_a_run_keeps_the_learning_rate_continuous(tmp_path, capsys):
+    """3 steps of a 6-step run, then --allow_change=train.steps to 12 (stopping at 7), then to the end with no
+    change: from step 3 the learning rate decays by a cosine from the value it had reached to the same floor at
+    step 12, in both later starts (the second reads the extension from history.jsonl). Reference: optax's warm-up
+    cosine and the extension, written out by hand in float64. Positive control: re-reading a 12-step cosine at
+    step 3 (what the schedule did before) gives a value the run must not log."""
+    from coupled_qk_jax.training.writers import read_metrics
+
+    workdir = str(tmp_path / "run")
+    loop.train(tiny_config(tmp_path, steps=6, stop_after=3), workdir, progress=False)
+    loop.train(tiny_config(tmp_path, steps=12, stop_after=7), workdir, progress=False, allow_change=("train.steps",))
+    assert "train.steps 6 -> 12 at step 3: the learning rate decays by a cosine from" in capsys.readouterr().out
+    summary = loop.train(tiny_config(tmp_path, steps=12), workdir, progress=False)
+    assert summary["status"] == "completed" and summary["step"] == 12
+
+    cfg = tiny_config(tmp_path)
+    lr, floor, warmup = cfg.train.lr, cfg.train.lr * cfg.train.min_lr_ratio, cfg.train.warmup_steps  # warm-up 2
+
+    def original(c: int, horizon: int) -> float:
+        if c < warmup:
+            return lr * c / warmup
+        return floor + (lr - floor) * 0.5 * (1 + math.cos(math.pi * (c - warmup) / (horizon - warmup)))
+
+    start = original(3, 6)
+    want = [original(c, 6) if c < 3 else floor + (start - floor) * 0.5 * (1 + math.cos(math.pi * (c - 3) / 9))
+            for c in range(12)]
+    rows = {r["step"]: r["lr"] for r in read_metrics(workdir) if "lr" in r}
+    assert sorted(rows) == list(range(1, 13))
+    got = [rows[step] for step in range(1, 13)]  # the row of step k logs the learning rate its update used, c = k-1
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    assert abs(original(3, 12) - start) > 0.05 * lr  # the jump the schedule had: the comparison above can fail
+    resumes = [json.loads(line) for line in open(os.path.join(workdir, "history.jsonl")) if '"resume"' in line]
+    assert resumes[0]["schedule"] == {"from_step": 3, "old_steps": 6, "new_steps": 12,
+                                      "lr_at_from_step": pytest.approx(start, rel=1e-6), "floor": floor}
+    assert "schedule" not in resumes[1]

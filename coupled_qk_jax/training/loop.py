@@ -203,6 +203,8 @@ class Setup:
     n_params: int
     checkpointer: Checkpointer
     latest: int | None = None  # the restored checkpoint's step (set by whoever restores)
+    # (step, old train.steps) of every --allow_change=train.steps resume (optimizer.learning_rate_schedule)
+    lr_extensions: tuple[tuple[int, int], ...] = ()
 
     @property
     def mcfg(self) -> ModelConfig:
@@ -263,7 +265,7 @@ def make_sharded_train_step(s: Setup):
     single-seed step is vmapped over the leading seed axis of the state, the batch ([S, B, T]) and the seeds."""
     train = s.config.train
     step_fn = make_train_step(s.graphdef, s.tx, train.grad_accum, use_dropout=s.mcfg.dropout > 0)
-    schedule = opt_lib.learning_rate_schedule(train)
+    schedule = opt_lib.learning_rate_schedule(train, s.lr_extensions)
 
     def one_seed(state, batch, seed):
         # The key depends only on (seed, step): a resumed run draws exactly the keys of an uninterrupted one, and
@@ -438,15 +440,43 @@ def _start(run: RunConfig, config_json: dict[str, Any], workdir: str,
         stream = stream_spec(s)
         # State: restored (arrays land directly in their shardings, the iterator at its saved position) or fresh.
         state, meta = _restore_or_init(s, data_iter, config_json, workdir, fingerprint, stream)
+        schedule = _extend_schedule(s, workdir, changes)
         if main:
             rundir.write_json(os.path.join(workdir, rundir.CONFIG), rundir.config_with_schema(config_json))
             rundir.record_history(workdir, "resume" if s.latest is not None else "start", step=s.latest or 0,
-                                  changes={k: {"run": a, "now": b} for k, (a, b) in changes.items()})
+                                  changes={k: {"run": a, "now": b} for k, (a, b) in changes.items()},
+                                  **({"schedule": schedule} if schedule else {}))
     except BaseException:
         s.checkpointer.close()
         raise
     extras = {"config": config_json, "data_fingerprint": fingerprint, "data_stream": stream}
     return s, data_iter, state, meta, extras, changes
+
+
+def _extend_schedule(s: Setup, workdir: str, changes: dict[str, Any]) -> dict[str, Any] | None:
+    """The learning-rate schedule of a run whose horizon was changed on resume (--allow_change=train.steps): the
+    earlier extensions recorded in history.jsonl plus, when this start changes train.steps, one at the restored
+    step, so the learning rate decays on from where it is instead of jumping to the new cosine's value. Sets
+    ``s.tx`` / ``s.lr_extensions``; returns this start's extension (printed, and recorded in history.jsonl)."""
+    extensions = rundir.lr_extensions(workdir)
+    new = None
+    if "train.steps" in changes and s.latest is not None:
+        old_steps = int(changes["train.steps"][0])
+        extensions.append((s.latest, old_steps))
+    if not extensions:
+        return None
+    s.lr_extensions = tuple(extensions)
+    s.tx = run_lib.state_layout(s.mcfg, s.config.train, s.seeds, s.mesh, s.lr_extensions).tx
+    if "train.steps" in changes and s.latest is not None:
+        schedule = opt_lib.learning_rate_schedule(s.config.train, s.lr_extensions)
+        floor = s.config.train.lr * s.config.train.min_lr_ratio
+        new = {"from_step": s.latest, "old_steps": old_steps, "new_steps": s.config.train.steps,
+               "lr_at_from_step": float(schedule(s.latest)), "floor": floor}
+        if jax.process_index() == 0:
+            print(f"train.steps {old_steps} -> {s.config.train.steps} at step {s.latest}: the learning rate decays "
+                  f"by a cosine from {new['lr_at_from_step']:.4g} (its value now) to {floor:.4g} at step "
+                  f"{s.config.train.steps}", flush=True)
+    return new
 
 
 def _logged_before(workdir: str, num_seeds: int) -> tuple[np.ndarray, float]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from coupled_qk_jax.training.config import TrainConfig
@@ -79,27 +80,52 @@ def scale_by_tree(multipliers: Any) -> optax.GradientTransformation:
     return optax.GradientTransformation(init, update)
 
 
-def learning_rate_schedule(train: TrainConfig) -> optax.Schedule:
+def learning_rate_schedule(train: TrainConfig, extensions: tuple[tuple[int, int], ...] = ()) -> optax.Schedule:
     """Linear warm-up then cosine decay to ``lr * min_lr_ratio`` at ``train.steps``, read at the last multiple of
     ``train.schedule_every`` (1: every step; N: constant over each block of N steps, e.g. torch's CosineAnnealingLR
-    stepped once an epoch)."""
-    lr, steps = train.lr, train.steps
+    stepped once an epoch).
+
+    ``extensions``: the run's ``(step, old train.steps)`` pairs, in order, where a resume extended (or shortened) the
+    horizon with ``--allow_change=train.steps`` (rundir.lr_extensions). The schedule is the original one, with the
+    first horizon, up to the first such step; from there it decays by a cosine from the learning rate it had reached
+    to the same floor at the next horizon (the last one is ``train.steps``): continuous, where simply re-reading the
+    cosine at the new horizon would make the learning rate jump."""
+    lr = train.lr
+    floor = lr * train.min_lr_ratio
+    horizons = [old for _, old in extensions] + [train.steps]
+    steps = horizons[0]
     warmup = min(train.warmup_steps, max(steps - 1, 0))
     schedule = optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=lr, warmup_steps=warmup, decay_steps=max(steps, warmup + 1),
-        end_value=lr * train.min_lr_ratio)
+        init_value=0.0, peak_value=lr, warmup_steps=warmup, decay_steps=max(steps, warmup + 1), end_value=floor)
+    for (at, _), horizon in zip(extensions, horizons[1:]):
+        schedule = _extended(schedule, at, horizon, floor)
     every = train.schedule_every
     if every == 1:
         return schedule
     return lambda step: schedule(step // every * every)
 
 
-def make_optimizer(params: Any, train: TrainConfig) -> optax.GradientTransformation:
+def _extended(schedule: optax.Schedule, at: int, horizon: int, floor: float) -> optax.Schedule:
+    """``schedule`` before step ``at``; from ``at`` a cosine from ``schedule(at)`` down to ``floor`` at ``horizon``
+    (held at the floor beyond it, as optax's cosine is)."""
+    start = float(schedule(at))
+    length = max(horizon - at, 1)
+
+    def extended(step):
+        frac = jnp.clip((step - at) / length, 0.0, 1.0)
+        decayed = floor + (start - floor) * 0.5 * (1.0 + jnp.cos(jnp.pi * frac))
+        return jnp.where(step < at, schedule(step), decayed)
+
+    return extended
+
+
+def make_optimizer(params: Any, train: TrainConfig,
+                   extensions: tuple[tuple[int, int], ...] = ()) -> optax.GradientTransformation:
     """clip_by_global_norm (none when ``train.grad_clip`` is 0) -> adamw(schedule, decay mask) -> per-group
     multipliers (``train`` is validated: the multipliers and grad_clip are >= 0)."""
     return optax.chain(
         optax.clip_by_global_norm(train.grad_clip) if train.grad_clip > 0 else optax.identity(),
-        optax.adamw(learning_rate_schedule(train), b1=train.b1, b2=train.b2, eps=train.eps,
+        optax.adamw(learning_rate_schedule(train, extensions), b1=train.b1, b2=train.b2, eps=train.eps,
                     weight_decay=train.weight_decay, mask=decay_mask(params)),
         scale_by_tree(lr_multipliers(params, train)),
     )

@@ -62,13 +62,13 @@ class StateLayout:
     n_params: int  # of one replica
 
 
-def state_layout(mcfg: ModelConfig, train_cfg: TrainConfig, seeds: list[int],
-                 mesh: Mesh) -> StateLayout:
+def state_layout(mcfg: ModelConfig, train_cfg: TrainConfig, seeds: list[int], mesh: Mesh,
+                 lr_extensions: tuple[tuple[int, int], ...] = ()) -> StateLayout:
     """The abstract model, optimiser and shardings of a run with ``seeds`` on ``mesh``. With several seeds every
     leaf gets a leading seed axis [S, ...], replicated over the mesh: each seed is sharded as a single run."""
     abstract_model = nnx.eval_shape(lambda: TransformerLM(mcfg, seeds[0]))
     graphdef, abstract_params = split_model(abstract_model)
-    tx = opt_lib.make_optimizer(abstract_params, train_cfg)
+    tx = opt_lib.make_optimizer(abstract_params, train_cfg, lr_extensions)
     abstract_state = jax.eval_shape(lambda p: init_train_state(p, tx), abstract_params)
     shardings = shd.train_state_shardings(abstract_model, tx, abstract_state, mesh)
     param_shardings = shardings["params"]

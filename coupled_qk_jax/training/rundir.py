@@ -131,6 +131,24 @@ def record_history(workdir: str, event: str, **fields: Any) -> None:
         f.write(json.dumps(jsonable(line), sort_keys=True) + "\n")
 
 
+def lr_extensions(workdir: str) -> list[tuple[int, int]]:
+    """``(step, old train.steps)`` of every resume recorded in WORKDIR/history.jsonl that changed train.steps
+    (--allow_change=train.steps), in order: what the learning-rate schedule of the run's later starts follows."""
+    path = os.path.join(workdir, HISTORY)
+    if not os.path.isfile(path):
+        return []
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            change = (row.get("changes") or {}).get("train.steps")
+            if row.get("event") == "resume" and change is not None:
+                out.append((int(row["step"]), int(change["run"])))
+    return out
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # The lock: one training process per run directory.
 # --------------------------------------------------------------------------------------------------------------------
