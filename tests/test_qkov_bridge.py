@@ -83,7 +83,7 @@ def test_cell_end_to_end(tmp_path, text_dir):
     # (the coupled variants return their attention through the same `collect=True` path).
     cell = bridge.run_cell("standard", 5.0, workdir=tmp_path / "run", scale="tiny", steps=3, seeds=[0, 1],
                            corpus=corpus, cache_dir=str(tmp_path / "cache"), tokenizer="byte", diag_batches=1, eval_points=1,
-                           model_overrides=small, train_overrides={"batch_size": 8})  # 8 CPU devices
+                           model_overrides=small, train_overrides={"batch_size": 8})
     # a second "cell" re-labelled from the first exercises the multi-row tables without another compile
     cells = [dict(cell, variant="standard_copy", qk_lr_mult=1.0), cell]
     out = tmp_path / "out"

@@ -1,4 +1,5 @@
-"""Training loop, optimiser, checkpoints and evaluation (in-process, on one CPU device; the mesh test in conftest's 8-device subprocess).
+"""Training loop, optimiser, checkpoints and evaluation (in-process, on one CPU device; the mesh test in
+conftest.py's 8-device subprocess).
 
 Every test uses a tiny model (d_model 32, 2 layers, T 32) and the byte tokenizer on a text_dir corpus written into
 tmp_path, so nothing needs a download or BPE training.
