@@ -393,3 +393,23 @@ def test_rerunning_a_finished_run_is_a_no_op_that_says_so(two_seed, capfd):
     assert again == json.loads(open(os.path.join(workdir, "summary.json")).read())
     assert again["val_loss"] == summary["val_loss"]
     assert open(os.path.join(workdir, "metrics.jsonl")).read() == metrics  # no second final row
+
+
+def test_only_asyncios_reports_of_orphaned_tensorstore_reads_are_dropped():
+    """The asyncio log filter that keeps a damaged step to one line drops exactly asyncio's "never retrieved" report
+    of a failed tensorstore read; the same report of any other error, and every other record, pass."""
+    import logging
+
+    from coupled_qk_jax.training.checkpoint import _drop_orphaned_tensorstore_futures
+
+    def record(message: str, exc: BaseException | None) -> logging.LogRecord:
+        return logging.LogRecord("asyncio", logging.ERROR, __file__, 1, message, None,
+                                 (type(exc), exc, None) if exc is not None else None)
+
+    read = ValueError("Error reading ... [tensorstore_spec='{\"driver\":\"zarr\"}']")
+    assert not _drop_orphaned_tensorstore_futures(record("Future exception was never retrieved\nfuture: <F>", read))
+    assert not _drop_orphaned_tensorstore_futures(record("Task exception was never retrieved\ntask: <T>", read))
+    assert _drop_orphaned_tensorstore_futures(record("Future exception was never retrieved\nfuture: <F>",
+                                                     ValueError("a bug of ours")))
+    assert _drop_orphaned_tensorstore_futures(record("Executing <Task> took 2.1 seconds", read))
+    assert _drop_orphaned_tensorstore_futures(record("Future exception was never retrieved", None))

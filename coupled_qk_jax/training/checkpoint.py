@@ -22,6 +22,7 @@ half-written temporary directory.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import re
 import shutil
@@ -130,6 +131,18 @@ def _quiet_orphaned_reads() -> None:
 
     hook._drops_orphaned_reads = True  # type: ignore[attr-defined]
     sys.unraisablehook = hook
+    # The same reads' other way out: a failed read whose future nobody awaits any more is logged by asyncio's
+    # default handler ("Future exception was never retrieved" and the tensorstore error, a dozen lines).
+    logging.getLogger("asyncio").addFilter(_drop_orphaned_tensorstore_futures)
+
+
+def _drop_orphaned_tensorstore_futures(record: logging.LogRecord) -> bool:
+    """False (drop) for asyncio's report of an unretrieved future that failed inside a tensorstore read."""
+    message = record.getMessage()
+    if not message.startswith(("Future exception was never retrieved", "Task exception was never retrieved")):
+        return True
+    exc = record.exc_info[1] if record.exc_info else None
+    return not (exc is not None and "tensorstore_spec" in str(exc))
 
 
 def _first_line(e: BaseException) -> str:
