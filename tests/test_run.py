@@ -413,3 +413,19 @@ def test_only_asyncios_reports_of_orphaned_tensorstore_reads_are_dropped():
                                                      ValueError("a bug of ours")))
     assert _drop_orphaned_tensorstore_futures(record("Executing <Task> took 2.1 seconds", read))
     assert _drop_orphaned_tensorstore_futures(record("Future exception was never retrieved", None))
+
+
+def test_an_mqar_run_from_before_the_validation_split_upgrades_with_notes():
+    """An MQAR config.json of 4544e54's shape (its mqar block had no protocol, shuffle or num_valid): each new field
+    takes the value that means what the run did (CPU levels, one fixed training order), noted once; an LM run, which
+    has no mqar block, gains none of them."""
+    old_mqar = {"task": "mqar", "mqar": {"level": "easy", "epochs": 16, "num_train": 10000, "num_test": 1000,
+                                         "eval_every_epochs": 2, "steps_per_epoch": 157}}
+    upgraded, notes = rundir.upgrade_config(old_mqar)
+    assert {k: upgraded["mqar"][k] for k in ("protocol", "shuffle", "num_valid")} == {
+        "protocol": "cpu", "shuffle": False, "num_valid": 0}
+    assert [n for n in notes if n.startswith("mqar.")] == [
+        "mqar.protocol: not in this run, using default 'cpu'", "mqar.shuffle: not in this run, using default False",
+        "mqar.num_valid: not in this run, using default 0"]
+    lm, lm_notes = rundir.upgrade_config({"task": "lm", "train": {"steps": 6}})
+    assert "mqar" not in lm and not any(n.startswith("mqar.") for n in lm_notes)

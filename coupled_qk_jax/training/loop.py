@@ -459,24 +459,24 @@ def _extend_schedule(s: Setup, workdir: str, changes: dict[str, Any]) -> dict[st
     step, so the learning rate decays on from where it is instead of jumping to the new cosine's value. Sets
     ``s.tx`` / ``s.lr_extensions``; returns this start's extension (printed, and recorded in history.jsonl)."""
     extensions = rundir.lr_extensions(workdir)
-    new = None
-    if "train.steps" in changes and s.latest is not None:
-        old_steps = int(changes["train.steps"][0])
-        extensions.append((s.latest, old_steps))
+    extending = "train.steps" in changes and s.latest is not None
+    if extending:
+        extensions.append((s.latest, int(changes["train.steps"][0])))
     if not extensions:
         return None
+    train = s.config.train
     s.lr_extensions = tuple(extensions)
-    s.tx = run_lib.state_layout(s.mcfg, s.config.train, s.seeds, s.mesh, s.lr_extensions).tx
-    if "train.steps" in changes and s.latest is not None:
-        schedule = opt_lib.learning_rate_schedule(s.config.train, s.lr_extensions)
-        floor = s.config.train.lr * s.config.train.min_lr_ratio
-        new = {"from_step": s.latest, "old_steps": old_steps, "new_steps": s.config.train.steps,
-               "lr_at_from_step": float(schedule(s.latest)), "floor": floor}
-        if jax.process_index() == 0:
-            print(f"train.steps {old_steps} -> {s.config.train.steps} at step {s.latest}: the learning rate decays "
-                  f"by a cosine from {new['lr_at_from_step']:.4g} (its value now) to {floor:.4g} at step "
-                  f"{s.config.train.steps}", flush=True)
-    return new
+    s.tx = run_lib.state_layout(s.mcfg, train, s.seeds, s.mesh, s.lr_extensions).tx
+    if not extending:
+        return None
+    old_steps = extensions[-1][1]
+    start = float(opt_lib.learning_rate_schedule(train, s.lr_extensions)(s.latest))
+    floor = train.lr * train.min_lr_ratio
+    if jax.process_index() == 0:
+        print(f"train.steps {old_steps} -> {train.steps} at step {s.latest}: the learning rate decays by a cosine "
+              f"from {start:.4g} (its value now) to {floor:.4g} at step {train.steps}", flush=True)
+    return {"from_step": s.latest, "old_steps": old_steps, "new_steps": train.steps, "lr_at_from_step": start,
+            "floor": floor}
 
 
 def _logged_before(workdir: str, num_seeds: int) -> tuple[np.ndarray, float]:

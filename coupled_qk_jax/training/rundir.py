@@ -55,7 +55,10 @@ FINGERPRINTED_FIELDS = frozenset({"data.corpus", "data.tokenizer_path"})
 # config.json lacks one resumes (and is evaluated) under a config holding that value, as if it had been recorded.
 ADDED_FIELDS = {"train.early_stop.metric": "", "train.early_stop.mode": "max", "train.early_stop.patience": 0,
                 "train.early_stop.min_delta": 0.0, "train.early_stop.threshold": None, "checkpoint.keep_best": "",
-                "train.schedule_every": 1}
+                "train.schedule_every": 1,
+                # MQAR runs from before the validation split: the CPU levels and one fixed training order. They had no
+                # validation segment (their "validation" was the test segment); 0 = the level's own size now.
+                "mqar.protocol": "cpu", "mqar.shuffle": False, "mqar.num_valid": 0}
 # Fields the code no longer has, with their last default: a run that used it is read (resumed, evaluated) as if the
 # field had never existed; a run that set another value is refused (this version cannot reproduce its results).
 REMOVED_FIELDS = {"model.coupling_lowering": "batched"}  # removed in ab94b09 (one lowering of f over heads)
