@@ -46,6 +46,7 @@ CLAIMS = {
     "faco_r1": ("concentrated", "collapsed OV (FACO) concentrates attention on distinct tokens"),
     "cafo_r1": (None, "not described in the available material; the released cell has no output"),
     "caco_r1": ("concentrated", "collapsed OV (CACO) concentrates attention on distinct tokens (no released number)"),
+    "caco_r1_x2": ("concentrated", "as caco_r1, trained for twice the notebook's budget (project)"),
     "fafo_eye_r1": (None, "project baseline for fafo_r20 (same init, equal rates)"),
     "fafo_r20": ("concentrated", "faster QK makes FAFO resemble FACO: mass on distinct tokens (no released number)"),
     "caco128_r1": (None, "project baseline for the seq_len-128 CACO cells (equal rates)"),

@@ -2,7 +2,7 @@
 
 Cells (config arg of configs/qkov.py; budgets, seeds and the early-stop rule are the paper's, from the config):
 
-row 1, equal LR 1e-2 (seq_len 64):  fafo_r1  faco_r1  cafo_r1  caco_r1
+row 1, equal LR 1e-2 (seq_len 64):  fafo_r1  faco_r1  cafo_r1  caco_r1  (caco_r1_x2: caco_r1 at twice its budget)
 row 2, faster QK (seq_len 64):      fafo_r20 (all factors 1e-6 I), with its equal-LR baseline fafo_eye_r1 (project)
 row 2, faster QK (seq_len 128):     caco128_r5 (the paper's cell), caco128_r2/r3/r4/r10 (the other rates the notebook
                                     lists as tried) and the equal-LR baseline caco128_r1 (project)
@@ -50,6 +50,8 @@ CELLS = {
     "faco_r1": ("faco,1", {"seeds": ROW1_SEEDS}),
     "cafo_r1": ("cafo,1", {}),
     "caco_r1": ("caco,1", {}),
+    # row 1's CACO at twice its budget (5000 x 200 steps): at 2500 epochs it had not concentrated (issue 28.4)
+    "caco_r1_x2": ("caco,1", {"n_epochs": 5000}),
     "fafo_eye_r1": ("fafo,20", {"qk_ratio": 1.0}),
     "fafo_r20": ("fafo,20", {}),
     "caco128_r1": ("caco,5", {"qk_ratio": 1.0}),
