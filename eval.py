@@ -73,15 +73,18 @@ def print_result(result: dict, split: str) -> None:
     lm = "ppl" in result
     names = ("loss", "ppl") if lm else tuple(k for k, v in result.items() if k.startswith("valid/")
                                              and "/seeds" not in k and "/std" not in k and isinstance(v, float))
+    # MQAR's metric keys are zoology's "valid/..." whichever split was asked; print them without the prefix, so a
+    # test evaluation does not read as a validation one (the split is named at the start of the line).
+    label = {k: k.split("/", 1)[-1] for k in names}
     which = f" replica {result['replica']} (seed {result['seeds'][0]})" if "replica" in result else ""
     if f"{names[0]}/seeds" not in result:
         scores = (f"loss {result['loss']:.4f}, ppl {result['ppl']:.3f} over {result['tokens']} tokens" if lm
-                  else ", ".join(f"{k} {result[k]:.4f}" for k in names))
+                  else ", ".join(f"{label[k]} {result[k]:.4f}" for k in names))
         print(f"step {result['step']} {split}{which}: {scores}", flush=True)
         return
     tokens = f" over {result['tokens']} tokens" if lm else ""
     print(f"step {result['step']} {split}, {len(result['seeds'])} replicas{tokens}:", flush=True)
-    print("  replica  seed  " + "  ".join(f"{k:>14}" for k in names), flush=True)
+    print("  replica  seed  " + "  ".join(f"{label[k]:>14}" for k in names), flush=True)
     for i, seed in enumerate(result["seeds"]):
         print(f"  {i:>7}  {seed:>4}  " + "  ".join(f"{result[k + '/seeds'][i]:>14.4f}" for k in names), flush=True)
     print("  mean ± std    " + "  ".join(f"{result[k]:>7.4f} ± {result[k + '/std']:.4f}" for k in names),

@@ -154,6 +154,23 @@ def test_validation_and_test_splits_are_different_segments(trained):
     assert results["validation"]["valid/loss"] != results["test"]["valid/loss"]
 
 
+def test_eval_prints_mqar_metrics_without_the_validation_prefix(trained, capsys):
+    """eval.py's report of a test evaluation names the split once and its metrics plainly: zoology's "valid/" keys
+    (kept in the JSON) do not make a test score read as a validation one."""
+    import eval as eval_cli
+
+    cfg, workdir, _, _ = trained
+    from coupled_qk_jax.training.run import Run
+
+    result = Run.open(workdir, config=cfg).evaluate("test")
+    eval_cli.print_result(result, "test")
+    out = capsys.readouterr().out
+    assert " test, 2 replicas" in out and "accuracy" in out and "loss" in out  # positive control: it printed
+    assert "valid/" not in out
+    seed0 = out.splitlines()[2].split()
+    assert float(seed0[2]) == pytest.approx(result["valid/accuracy/seeds"][0], abs=5e-5)
+
+
 def _order(seed, shuffle=True, epochs=2):
     cfg = mqar_cfg.get_config("standard,easy")
     cfg.mqar.update(num_train=50, num_valid=8, num_test=8, shuffle=shuffle)
