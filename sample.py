@@ -47,7 +47,7 @@ def _sample() -> None:
     from coupled_qk_jax.errors import UserError
 
     if FLAGS.num_samples < 1:
-        raise ValueError(f"--num_samples must be >= 1, got {FLAGS.num_samples}")
+        raise UserError(f"--num_samples={FLAGS.num_samples}: samples per prompt must be at least 1")
     sampling = generate.Sampling(FLAGS.temperature, FLAGS.top_k, FLAGS.top_p)
     if FLAGS.exported is not None:
         from coupled_qk_jax.export import load_exported

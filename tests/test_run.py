@@ -309,6 +309,9 @@ def test_eval_cli_prints_a_row_per_replica(two_seed, tmp_path):
     bad = _cli("eval.py", f"--workdir={workdir}", "--replica=x")
     assert bad.returncode == 2 and bad.stderr.splitlines() == [
         "error: --replica=x: expected a replica index 0, 1, ... or all"]
+    bad = _cli("sample.py", f"--workdir={workdir}", "--num_samples=0")
+    assert bad.returncode == 2 and bad.stderr.splitlines() == [
+        "error: --num_samples=0: samples per prompt must be at least 1"]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
