@@ -74,7 +74,7 @@ def _tensor_sha256(directory) -> dict[str, str]:
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def test_old_version_run_evaluates_samples_and_exports_bitwise_as_then(fixture_run, tmp_path):
+def test_old_version_run_evaluates_samples_and_exports_as_then(fixture_run, tmp_path):
     run = Run.open(fixture_run)
     assert run.notes == ADDED_NOTES
     assert run.steps == [3, 6] and run.num_replicas == 1 and run.seeds == [0] and run.tokenizer.kind == "byte"
@@ -82,7 +82,11 @@ def test_old_version_run_evaluates_samples_and_exports_bitwise_as_then(fixture_r
     for split in ("validation", "test"):
         result = run.evaluate(split)
         assert result["step"] == EXPECTED["step"]
-        assert {k: result[k] for k in ("loss", "ppl", "tokens")} == EXPECTED[split]
+        # float32 sums: their last bits follow XLA's code generation for the host CPU (CI's differs in the 8th
+        # digit from the machine that wrote the fixture), so losses agree to float32 rounding, tokens exactly.
+        assert result["tokens"] == EXPECTED[split]["tokens"]
+        assert np.isfinite(result["loss"]) and result["loss"] == pytest.approx(EXPECTED[split]["loss"], rel=1e-6)
+        assert result["ppl"] == pytest.approx(EXPECTED[split]["ppl"], rel=1e-5)
     assert _greedy(run.model(), run.tokenizer) == EXPECTED["greedy"]["tokens"]
     out = export_run(fixture_run, tmp_path / "exported")
     assert _tensor_sha256(out) == {k: v["sha256"] for k, v in EXPECTED["export"].items()}
@@ -103,6 +107,8 @@ def test_removed_and_added_fields_follow_the_upgrade_table(fixture_run):
     each, and evaluated exactly as the run that has neither; a non-default removed value and a newer schema are one
     line each. Resume compares the configs in the same schema."""
     current = json.loads((fixture_run / "config.json").read_text())
+    as_is = Run.open(fixture_run).evaluate("validation")["loss"]
+    assert as_is == pytest.approx(EXPECTED["validation"]["loss"], rel=1e-6)
 
     def older(cfg):
         cfg["model"]["coupling_lowering"] = "batched"
@@ -113,7 +119,7 @@ def test_removed_and_added_fields_follow_the_upgrade_table(fixture_run):
     assert run.notes == ["model.coupling_lowering: removed from this version; the run used its last default "
                          "'batched', dropped",
                          *ADDED_NOTES, "model.attention_chunks: not in this run, using default 0"]
-    assert run.evaluate("validation")["loss"] == EXPECTED["validation"]["loss"]
+    assert run.evaluate("validation")["loss"] == as_is  # the same program on the same params: bitwise
     saved = json.loads((fixture_run / "config.json").read_text())
     assert rundir.resume_changes(saved, current, (), str(fixture_run)) == {}  # train.py would resume it
 
