@@ -315,6 +315,11 @@ def _head_metrics(attn: Array, tokens: Array | None) -> dict[str, Array]:
     return out
 
 
+# One compiled program per attention shape: run op by op, the metrics (SVDs, entropies) compile dozens of tiny
+# programs on every call.
+_head_metrics_jit = jax.jit(_head_metrics)
+
+
 def summarize_attention(
     attn_per_layer: Sequence[Array] | Mapping[str, Array] | Array,
     tokens: Array | None = None,
@@ -353,7 +358,7 @@ def summarize_attention(
         if tokens is not None and tokens.shape != (attn.shape[0], attn.shape[-1]):
             raise ValueError(f"summarize_attention: tokens shape {tokens.shape} does not match attention "
                              f"[B, T] = {(attn.shape[0], attn.shape[-1])} at layer {name!r}")
-        metrics = jax.device_get(_head_metrics(attn, tokens))
+        metrics = jax.device_get(_head_metrics_jit(attn, tokens))
         H = attn.shape[1]
         heads = [{"head": h, **{k: float(v[h]) for k, v in metrics.items()}} for h in range(H)]
         mean = {k: float(np.mean(v)) for k, v in metrics.items()}

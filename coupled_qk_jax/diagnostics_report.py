@@ -31,6 +31,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from flax import nnx
 
 from coupled_qk_jax import diagnostics
 
@@ -38,6 +39,20 @@ ATTN_METRICS = ("entropy", "entropy_normalized", "effective_rank", "spectral_gap
                 "induction_mass")
 QK_METRICS = ("q_norm_before", "q_norm_after", "k_norm_before", "k_norm_after", "qk_cos_before", "qk_cos_after",
               "q_rel_change", "k_rel_change")
+
+
+@nnx.jit
+def _collect_jit(model: nnx.Module, tokens: Any) -> tuple[Any, list[dict[str, Any]]]:
+    return model(tokens, collect=True)
+
+
+def _collect(model: Any, tokens: np.ndarray) -> tuple[Any, list[dict[str, Any]]]:
+    """``model(tokens, collect=True)``, compiled once for an NNX module: run op by op, one forward with its
+    per-layer attention matrices compiles and dispatches hundreds of small programs."""
+    return _collect_jit(model, tokens) if isinstance(model, nnx.Module) else model(tokens, collect=True)
+
+
+_qk_stats = jax.jit(diagnostics.qk_stats)
 
 
 def compute_diagnostics(model: Any, tokens: Any, mask: Any | None = None) -> dict[str, Any]:
@@ -56,13 +71,13 @@ def compute_diagnostics(model: Any, tokens: Any, mask: Any | None = None) -> dic
     tokens = np.asarray(tokens)
     if tokens.ndim == 1:
         tokens = tokens[None]
-    _, aux = model(tokens, collect=True)
+    _, aux = _collect(model, tokens)
     cfg = getattr(model, "cfg", None)
     differential = cfg is not None and cfg.scoring == "differential"
     attn_summary = diagnostics.summarize_attention([a["attn"] for a in aux], tokens=tokens)
     layers = []
     for i, (layer_aux, attn_layer) in enumerate(zip(aux, attn_summary["layers"])):
-        qk = diagnostics.qk_stats(layer_aux["q_before"], layer_aux["k_before"], layer_aux["q_after"],
+        qk = _qk_stats(layer_aux["q_before"], layer_aux["k_before"], layer_aux["q_after"],
                                   layer_aux["k_after"], mask=mask)
         qk = {k: np.asarray(jax.device_get(v), np.float64) for k, v in qk.items()}
         H = next(iter(qk.values())).shape[0]
@@ -225,7 +240,6 @@ def report_from_checkpoint(run: Any, split: str = "validation", windows: int = 8
     This is what ``eval.py --diagnostics`` calls, once per replica it evaluates. The params are gathered to the
     host: the diagnostics are small (a few windows) and run unsharded.
     """
-    from flax import nnx  # noqa: PLC0415
 
     from coupled_qk_jax.data.pipeline import eval_batches  # noqa: PLC0415
     from coupled_qk_jax.errors import UserError  # noqa: PLC0415

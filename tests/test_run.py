@@ -161,17 +161,21 @@ def _by_name(tree) -> dict[str, np.ndarray]:
 
 
 def _nll_reference(model, tokens: np.ndarray, eot: int, seq_len: int) -> float:
-    """Mean next-token NLL of ``[eot] + tokens`` in windows of seq_len, every token a target once, in float64."""
+    """Mean next-token NLL of ``[eot] + tokens`` in windows of seq_len, every token a target once, in float64. The
+    windows go through the model as one batch, the last one right-padded: causal attention keeps padding out of the
+    logits of the positions before it, and padded positions are not counted."""
     stream = np.concatenate([[eot], tokens]).astype(np.int32)
-    total, count = 0.0, 0
-    for start in range(0, len(stream) - 1, seq_len):
-        x, y = stream[start:start + seq_len], stream[start + 1:start + 1 + seq_len]
-        logits = np.asarray(model(x[None, :len(y)]), np.float64)[0]
-        logp = logits - logits.max(-1, keepdims=True)
-        logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
-        total -= float(np.take_along_axis(logp, y[:, None], -1).sum())
-        count += len(y)
-    return total / count
+    starts = range(0, len(stream) - 1, seq_len)
+    x = np.zeros((len(starts), seq_len), np.int32)
+    y = np.full((len(starts), seq_len), -1, np.int64)
+    for row, start in enumerate(starts):
+        window = stream[start:start + seq_len + 1]
+        x[row, :len(window) - 1], y[row, :len(window) - 1] = window[:-1], window[1:]
+    logits = np.asarray(model(x), np.float64)
+    logp = logits - logits.max(-1, keepdims=True)
+    logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+    valid = y >= 0
+    return float(-np.take_along_axis(logp, np.where(valid, y, 0)[..., None], -1)[..., 0][valid].sum() / valid.sum())
 
 
 def test_step_picks_a_checkpoint(fixture_run):
