@@ -1,7 +1,8 @@
 """What sharding does to one decode step of `generate.Generator`: per-device compiled memory, collectives, HLO size.
 
     python benchmarks/generate_sharded.py [--scale 60m] [--variant coupled_euler] [--batch 8]
-                                          [--meshes 1,1,1 8,1,1 1,1,8 2,1,4 2,2,2 1,4,2] [--out FILE.json]
+                                          [--meshes 1,1,1 8,1,1 1,1,8 2,1,4 2,2,2 1,4,2] [--unscanned]
+                                          [--out FILE.json]
 
 Nothing is timed and no token is generated: for each (data, fsdp, tensor) mesh the decode step of a Generator on
 a model placed on that mesh (1,1,1: one device, the unsharded program) is lowered and compiled for 8 fake CPU
@@ -16,6 +17,7 @@ only, not buffer assignment or the partitioner's collectives (tests/conftest.py)
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -75,14 +77,18 @@ def main() -> None:
     p.add_argument("--variant", default="coupled_euler")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--meshes", nargs="+", default=["1,1,1", "8,1,1", "1,1,8", "2,1,4", "2,2,2", "1,4,2"])
+    p.add_argument("--unscanned", action="store_true",
+                   help="model.scan_layers=False: every layer's collectives appear in the HLO text, as executed")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     cfg = model_config(get_config(f"{args.variant},{args.scale}"))
+    if args.unscanned:
+        cfg = dataclasses.replace(cfg, scan_layers=False)
     model = TransformerLM(cfg, 0)
     cache_mb = 2 * cfg.n_layers * args.batch * cfg.max_len * cfg.n_heads * cfg.head_dim \
         * jnp.dtype(cfg.dtype).itemsize / MB
     head = {"scale": args.scale, "variant": args.variant, "batch": args.batch, "cache_slots": cfg.max_len,
-            "dtype": cfg.dtype, "params": count_params(model), "cache_mb": round(cache_mb, 2), "jax": jax.__version__}
+            "dtype": cfg.dtype, "scan_layers": cfg.scan_layers, "params": count_params(model), "cache_mb": round(cache_mb, 2), "jax": jax.__version__}
     print(json.dumps(head), flush=True)
     rows = []
     for text in args.meshes:
