@@ -9,9 +9,10 @@ a model placed on that mesh (1,1,1: one device, the unsharded program) is lowere
 devices, with a KV cache of model.max_len slots given as a ShapeDtypeStruct in the Generator's cache sharding
 (no cache is allocated). It reports `compiled.memory_analysis()` per device (arguments = parameters + cache +
 inputs, temporaries), the collectives of the compiled HLO (`sharding.collective_counts`; with model.scan_layers,
-as at 60m, the layer loop's body is one copy in the text, so its collectives count once and run n_layers times) and
-the HLO's size. The model has random weights (shapes are all that matter here). The two compile-time switches change LLVM code generation
-only, not buffer assignment or the partitioner's collectives (tests/conftest.py).
+as at 60m, the layer loop's body is one copy in the text, so its collectives count once and run n_layers times:
+--unscanned unrolls the layers so that every executed collective is in the text) and the HLO's size. The model has
+random weights (shapes are all that matter here). The two compile-time switches change LLVM code generation only,
+not buffer assignment or the partitioner's collectives (tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -88,7 +89,8 @@ def main() -> None:
     cache_mb = 2 * cfg.n_layers * args.batch * cfg.max_len * cfg.n_heads * cfg.head_dim \
         * jnp.dtype(cfg.dtype).itemsize / MB
     head = {"scale": args.scale, "variant": args.variant, "batch": args.batch, "cache_slots": cfg.max_len,
-            "dtype": cfg.dtype, "scan_layers": cfg.scan_layers, "params": count_params(model), "cache_mb": round(cache_mb, 2), "jax": jax.__version__}
+            "dtype": cfg.dtype, "scan_layers": cfg.scan_layers, "params": count_params(model),
+            "cache_mb": round(cache_mb, 2), "jax": jax.__version__}
     print(json.dumps(head), flush=True)
     rows = []
     for text in args.meshes:
