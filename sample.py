@@ -2,7 +2,8 @@
 an export folder: `python sample.py --exported=DIR ...`.
 
 The model, its config and its tokenizer all come from the run directory (the newest intact checkpoint, or --step),
-restored onto one device (or --mesh=data:D,fsdp:F,tensor:T) whatever machine trained it; --replica picks a seed of
+restored onto one device (or --mesh=data:D,fsdp:F,tensor:T, where it is also generated on: parameters in the
+training layout, the KV cache split over batch and heads) whatever machine trained it; --replica picks a seed of
 a seed-parallel run. Several --prompt and --ids flags make one batch; prompts may differ in length. Decoding is
 greedy with --temperature=0, otherwise sampled with --temperature, --top_k and --top_p from --seed. Text prompts
 start a new document (they are preceded by <|endoftext|>); with neither flag, one empty prompt samples a document
@@ -16,7 +17,8 @@ from absl import app, flags, logging
 flags.DEFINE_string("workdir", None, "Run directory written by train.py.")
 flags.DEFINE_string("exported", None, "An export folder (export.py) to sample from instead of a run directory.")
 flags.DEFINE_integer("step", None, "Checkpoint step of the run (default: the newest intact one).")
-flags.DEFINE_string("mesh", "", "Devices to restore the run onto, e.g. data:2 (default: one device).")
+flags.DEFINE_string("mesh", "", "Devices to restore the run onto and generate on, e.g. data:2,tensor:2 "
+                    "(default: one device).")
 flags.DEFINE_multi_string("prompt", [], "A text prompt (repeat the flag for a batch).")
 flags.DEFINE_multi_string("ids", [], "A prompt as comma-separated token ids, used as given (repeatable).")
 flags.DEFINE_integer("max_new_tokens", 200, "Tokens to generate per prompt.")
@@ -71,6 +73,11 @@ def _sample() -> None:
     labels = [repr(t) for t in texts] + [f"ids {s}" for s in FLAGS.ids]
     batch = [p for p in prompts for _ in range(FLAGS.num_samples)]
     gen = generate.Generator(model, vocab_limit=tokenizer.vocab_size)
+    if gen.mesh is not None:
+        import sys  # noqa: PLC0415
+
+        print(f"note: generating on a {' x '.join(f'{a}={n}' for a, n in gen.mesh.shape.items())} mesh",
+              file=sys.stderr, flush=True)
     outputs = gen.generate(batch, FLAGS.max_new_tokens, sampling, FLAGS.seed,
                            eot_id=tokenizer.eot_id if FLAGS.stop_at_eot else None)
     for i, (prompt, new) in enumerate(zip(batch, outputs)):

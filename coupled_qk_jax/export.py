@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from coupled_qk_jax import sharding as shd
 from coupled_qk_jax.config import ModelConfig
 from coupled_qk_jax.data.token_cache import file_sha256
 from coupled_qk_jax.data.tokenizer import BPETokenizer, ByteTokenizer, Tokenizer
@@ -54,9 +55,13 @@ def _name(path: tuple) -> str:
 
 
 def flatten_params(params: Any) -> dict[str, np.ndarray]:
-    """``{dotted name: host array}`` of a params pytree (``nnx.to_pure_dict`` of the model, as checkpoints hold it)."""
+    """``{dotted name: host array}`` of a params pytree (``nnx.to_pure_dict`` of the model, as checkpoints hold it).
+
+    The leaves may be host arrays, single-device or sharded arrays, or (multi-host) arrays with shards on other
+    processes, which are all-gathered (sharding.to_host): every process must then call this, and each gets every
+    tensor whole."""
     leaves = jax.tree_util.tree_flatten_with_path(params)[0]
-    return {_name(p): np.asarray(jax.device_get(x)) for p, x in leaves}
+    return {_name(p): shd.to_host(x) for p, x in leaves}
 
 
 def per_layer_tensors(params: Any, mcfg: ModelConfig) -> dict[str, np.ndarray]:

@@ -19,6 +19,14 @@ never changes once computed and caching it is exact (`TransformerLM.decode`).
   updated in place) and samples the next. Shapes never change between steps: one compilation serves every token.
 * Ids at or above `vocab_limit` (a model vocabulary padded above the tokenizer's size) are masked out of the logits,
   so they are never produced.
+
+On a mesh. A model whose parameters live on a (data, fsdp, tensor) mesh (`Run.open(dir, mesh="data:2,fsdp:2,
+tensor:2")`) is generated from on that mesh: the Generator reads the mesh off the parameters, keeps them in the
+training layout of sharding.py's rules (FSDP-split, tensor-split heads / MLP / vocab; `TransformerLM.decode` gathers
+each block's weights over fsdp where it runs), and splits the KV cache, tokens and positions over the batch (data x
+fsdp) and the cache also over heads (tensor). A batch that data x fsdp does not divide is padded with one-token
+dummy rows, which are dropped from the result: every device holds an equal share of the cache and the real rows
+decode exactly as they would alone. On one device nothing of this applies: the same programs as without a mesh.
 """
 
 from __future__ import annotations
@@ -32,10 +40,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
+from coupled_qk_jax import sharding as shd
 from coupled_qk_jax.config import ModelConfig
 from coupled_qk_jax.errors import UserError
-from coupled_qk_jax.model import TransformerLM
+from coupled_qk_jax.model import CACHE_AXES, TransformerLM
 
 Array = jax.Array
 
@@ -123,6 +134,18 @@ def init_cache(cfg: ModelConfig, batch: int, size: int) -> dict[str, Array]:
     return {"k": jnp.zeros(shape, cfg.dtype), "v": jnp.zeros(shape, cfg.dtype)}
 
 
+def cache_sharding(cfg: ModelConfig, mesh: Mesh) -> NamedSharding:
+    """Where a KV-cache array [n_layers, B, S, n_heads, head_dim] lives on `mesh`, by sharding.py's one rules table
+    (model.CACHE_AXES): B over (data, fsdp), heads over tensor, the rest whole. The same for every B that data x fsdp
+    divides (a PartitionSpec does not depend on the shape), so one sharding serves every batch.
+
+    Both splits always divide, so nothing is replicated: `Generator.generate` pads B to a multiple of data x fsdp,
+    and the cache's H is the H of every attention weight (wq [d_model, H, d_head]), which the same rule already had
+    to split over tensor when the parameters were placed."""
+    shape = (cfg.n_layers, mesh.shape["data"] * mesh.shape["fsdp"], 1, cfg.n_heads, cfg.head_dim)
+    return NamedSharding(mesh, shd.logical_to_spec(CACHE_AXES, shape, mesh, name="the KV cache"))
+
+
 def _bucket(n: int, cap: int) -> int:
     """The padded prompt length: the next power of two >= n (at least 8), at most cap."""
     return min(cap, max(8, 1 << (n - 1).bit_length()))
@@ -133,7 +156,8 @@ class Generator:
     """Batched generation for one model: holds the jitted prefill and decode step (compiled once per shape).
 
     Args:
-      model: a TransformerLM (its current parameters are captured).
+      model: a TransformerLM (its current parameters are captured). Parameters on a (data, fsdp, tensor) mesh make
+        a sharded Generator on that mesh (see the module docstring); on one device, an unsharded one.
       vocab_limit: ids >= this are never generated (the tokenizer's size when the model vocabulary is padded).
       cache_size: KV-cache slots S (default model.max_len); a prompt plus its new tokens must fit in them.
     """
@@ -148,8 +172,25 @@ class Generator:
         if not 1 <= self.cache_size <= cfg.max_len:
             raise ValueError(f"cache_size must be in 1..model.max_len={cfg.max_len}, got {cache_size}")
         self.graphdef, self.state = nnx.split(model)
-        self._prefill = jax.jit(self._prefill_impl, static_argnames=("sampling",))
-        self._decode = jax.jit(self._decode_impl, static_argnames=("sampling",), donate_argnames=("cache",))
+        self.mesh = shd.mesh_of(self.state)  # None: one device
+        if self.mesh is None:
+            self._prefill = jax.jit(self._prefill_impl, static_argnames=("sampling",))
+            self._decode = jax.jit(self._decode_impl, static_argnames=("sampling",), donate_argnames=("cache",))
+            return
+        # Every input and output placed explicitly, so one compilation serves every step: left to XLA, the cache
+        # could come back from a step in another layout and force a reshard (or a recompile) on the next. The
+        # params go in the layout of the rules table, where Run.open(mesh=) already put them (device_put: no copy).
+        mesh = self.mesh
+        params = shd.named_shardings(shd.param_specs(model, mesh), mesh)
+        self.state = jax.device_put(nnx.to_pure_dict(self.state), params)
+        rows, rep = NamedSharding(mesh, P(shd.BATCH_AXES)), shd.replicated(mesh)  # [B] tokens / positions
+        cache = dict.fromkeys(("k", "v"), cache_sharding(cfg, mesh))
+        self._prefill = jax.jit(shd.under_mesh(self._prefill_impl, mesh), static_argnames=("sampling",),
+                                in_shardings=(params, cache, rows, rows, rep), out_shardings=(rows, cache))
+        self._decode = jax.jit(shd.under_mesh(self._decode_impl, mesh), static_argnames=("sampling",),
+                               donate_argnames=("cache",), in_shardings=(params, cache, rows, rows, rep, rep),
+                               out_shardings=(rows, cache))
+        self._new_cache = jax.jit(init_cache, static_argnums=(0, 1, 2), out_shardings=cache)
 
     # The two compiled functions. `state` is an argument, not a constant, so the weights are not baked into the HLO.
     def _prefill_impl(self, state, cache, tokens, lengths, key, sampling: Sampling):
@@ -188,28 +229,38 @@ class Generator:
             raise UserError(f"the longest prompt ({int(lengths.max())} tokens) plus max_new_tokens={max_new_tokens} "
                              f"needs {need} positions, more than the {self.cache_size} of the cache "
                              f"(model.max_len={self.cfg.max_len}); shorten the prompt or lower max_new_tokens")
+        n_real = len(rows)
+        if self.mesh is not None:  # pad to a multiple of data x fsdp with one-token rows (dropped below)
+            split = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+            n_pad = -n_real % split
+            rows += [np.zeros(1, np.int64)] * n_pad
+            lengths = np.concatenate([lengths, np.ones(n_pad, np.int32)])
         width = _bucket(int(lengths.max()), self.cache_size)
         tokens = np.zeros((len(rows), width), np.int32)
         for b, r in enumerate(rows):
             tokens[b, :r.size] = r
         key = jax.random.key(seed)
-        cache = init_cache(self.cfg, len(rows), self.cache_size)
-        tok, cache = self._prefill(self.state, cache, jnp.asarray(tokens), jnp.asarray(lengths), key,
-                                   sampling=sampling)
+        if self.mesh is None:
+            cache = init_cache(self.cfg, len(rows), self.cache_size)
+            tokens, lengths = jnp.asarray(tokens), jnp.asarray(lengths)
+        else:  # made in place on the mesh, never whole on one device
+            cache = self._new_cache(self.cfg, len(rows), self.cache_size)
+            tokens, lengths = jax.device_put((tokens, lengths), NamedSharding(self.mesh, P(shd.BATCH_AXES)))
+        tok, cache = self._prefill(self.state, cache, tokens, lengths, key, sampling)
         out = [tok]
-        positions = jnp.asarray(lengths)  # where each row's newest token goes
-        finished = np.zeros(len(rows), bool)
+        positions = lengths  # where each row's newest token goes
+        finished = np.arange(len(rows)) >= n_real  # padding rows never hold up stopping at eot
         for step in range(1, max_new_tokens):
             if eot_id is not None:
                 finished |= np.asarray(tok) == eot_id  # one host sync per step, only when stopping early is asked
                 if finished.all():
                     break
-            tok, cache = self._decode(self.state, cache, tok, positions, step, key, sampling=sampling)
+            tok, cache = self._decode(self.state, cache, tok, positions, step, key, sampling)
             positions = positions + 1
             out.append(tok)
         ids = np.stack(jax.device_get(out), axis=1)  # [B, steps]
         results = []
-        for row in ids:
+        for row in ids[:n_real]:
             if eot_id is not None and (row == eot_id).any():
                 row = row[:int(np.argmax(row == eot_id))]
             results.append(row.astype(np.int32))

@@ -131,6 +131,7 @@ class Block(nnx.Module):
 
 
 RESIDUAL = ("batch", "length", "activation_embed")  # logical axes of the residual stream between blocks
+CACHE_AXES = ("layers", "batch", "length", "heads", "head_dim")  # logical axes of a KV-cache array [L, B, S, H, D]
 
 
 def _run_block(block: Block, x: Array, shared_coupling, dropout_key, layer_idx, collect: bool = False):
@@ -218,15 +219,21 @@ class TransformerLM(nnx.Module):
         stored after the QK transform. A prefill is `decode(prompts, cache, zeros)`, a decode step
         `decode(next_tokens[:, None], cache, positions)`; the logits equal those of `__call__` on the whole sequence.
         """
+        # Under a mesh (generate.Generator on sharded params) the same FSDP gathers and activation constraints as
+        # __call__: each block's weights are gathered where it runs, the residual stream and the cache stay split
+        # over batch (and the cache over heads). Without a mesh every shd.* call below is the identity.
         cfg = self.cfg
         dtype = jnp.dtype(cfg.dtype)
         positions = start[:, None] + jnp.arange(tokens.shape[1])[None, :]  # [B, T]
-        x = jnp.take(self.embed[...], tokens, axis=0)
+        embed = shd.gather_weight(self.embed, "embed")  # the lookup here and the tied head
+        x = jnp.take(embed, tokens, axis=0)
         if cfg.positions == "learned":
-            x = x + jnp.take(self.pos_embed[...], positions, axis=0)
-        x = x.astype(dtype)
+            x = x + jnp.take(shd.gather_weight(self.pos_embed, "pos_embed"), positions, axis=0)
+        x = shd.constrain(x.astype(dtype), RESIDUAL)
         shared = getattr(self, "shared_coupling", None)
-        ks, vs = cache["k"], cache["v"]
+        if shared is not None:
+            shared = shd.gather_weights(shared)
+        ks, vs = shd.constrain(cache["k"], CACHE_AXES), shd.constrain(cache["v"], CACHE_AXES)
         if cfg.scan_layers:
             # The whole cache rides in the scan carry and each layer updates its own slice in place: scanning the
             # cache as xs/ys instead would build a second full cache every step (measured: temp memory 42 MB vs
@@ -236,17 +243,22 @@ class TransformerLM(nnx.Module):
             def body(carry, xs):
                 x, ks, vs = carry
                 params, idx = xs
-                x, layer = nnx.merge(graphdef, params).decode(x, {"k": ks[idx], "v": vs[idx]}, positions, shared, idx)
-                return (x, ks.at[idx].set(layer["k"]), vs.at[idx].set(layer["v"])), None
+                block = shd.gather_weights(nnx.merge(graphdef, params))
+                x, layer = block.decode(x, {"k": ks[idx], "v": vs[idx]}, positions, shared, idx)
+                ks = shd.constrain(ks.at[idx].set(layer["k"]), CACHE_AXES)
+                vs = shd.constrain(vs.at[idx].set(layer["v"]), CACHE_AXES)
+                return (shd.constrain(x, RESIDUAL), ks, vs), None
 
             (x, ks, vs), _ = jax.lax.scan(body, (x, ks, vs), (nnx.to_pure_dict(stacked), jnp.arange(cfg.n_layers)))
         else:
             for i, block in enumerate(self.blocks):
-                x, layer = block.decode(x, {"k": ks[i], "v": vs[i]}, positions, shared)
-                ks, vs = ks.at[i].set(layer["k"]), vs.at[i].set(layer["v"])
-        x = self.final_norm(x)
-        logits = jnp.einsum("btd,vd->btv", x, self.embed[...].astype(dtype), preferred_element_type=jnp.float32)
-        return logits, {"k": ks, "v": vs}
+                x, layer = shd.gather_weights(block).decode(x, {"k": ks[i], "v": vs[i]}, positions, shared)
+                x = shd.constrain(x, RESIDUAL)
+                ks = shd.constrain(ks.at[i].set(layer["k"]), CACHE_AXES)
+                vs = shd.constrain(vs.at[i].set(layer["v"]), CACHE_AXES)
+        x = shd.gather_weights(self.final_norm)(x)
+        logits = jnp.einsum("btd,vd->btv", x, embed.astype(dtype), preferred_element_type=jnp.float32)
+        return shd.constrain(logits, ("batch", "length", "vocab")), {"k": ks, "v": vs}
 
     def _scan_blocks(self, x: Array, shared, keys, collect: bool) -> tuple[Array, list]:
         """jax.lax.scan over the stacked block: each iteration rebuilds one layer from its slice of the stacked

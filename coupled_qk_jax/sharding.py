@@ -261,6 +261,45 @@ def under_mesh(fn: Callable, mesh: Mesh) -> Callable:
     return wrapped
 
 
+def mesh_of(tree: Any) -> Mesh | None:
+    """The (data, fsdp, tensor) mesh that the jax.Arrays of `tree` live on, or None when they are on one device
+    (host arrays, a single-device array, or a mesh of size 1: all the same program as no mesh).
+
+    This is how a reader finds the mesh of a restored model (Run.open(dir, mesh=...)) without being told it twice.
+    Arrays on several meshes, or on devices without a NamedSharding, are a UserError."""
+    meshes, other = set(), False
+    for x in jax.tree.leaves(tree):
+        if not isinstance(x, jax.Array) or len(x.sharding.device_set) == 1:
+            continue
+        if isinstance(x.sharding, NamedSharding):
+            meshes.add(x.sharding.mesh)
+        else:
+            other = True
+    if other or len(meshes) > 1:
+        raise UserError("the parameters are spread over several meshes (or devices without a NamedSharding); place "
+                        "them on one (data, fsdp, tensor) mesh, e.g. Run.open(DIR, mesh='data:2,tensor:2')")
+    if not meshes:
+        return None
+    mesh = meshes.pop()
+    if tuple(mesh.axis_names) != MESH_AXES:
+        raise UserError(f"the parameters are on a mesh with axes {tuple(mesh.axis_names)}; expected {MESH_AXES} "
+                        "(sharding.make_mesh)")
+    return mesh
+
+
+def to_host(x: jax.Array | np.ndarray) -> np.ndarray:
+    """The whole value of `x` as a numpy array, on every process.
+
+    A fully addressable array (one host, however many devices) is read directly; an array with shards on other
+    hosts (a multi-host mesh) is all-gathered first (multihost_utils.process_allgather, a collective: every process
+    must call it for the same arrays in the same order)."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        from jax.experimental import multihost_utils  # noqa: PLC0415 - only multi-host readers need it
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(jax.device_get(x))
+
+
 # ---------------------------------------------------------------------------------------------------------- batches
 def batch_sharding(mesh: Mesh, seed_axis: bool = False) -> NamedSharding:
     """[B, T] batches: B split over (data, fsdp), T replicated. With ``seed_axis``, [S, B, T] batches of a

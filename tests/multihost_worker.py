@@ -15,7 +15,8 @@ pieces (steps.py, optimizer.py, sharding.py) and orbax:
 
 Each process builds the same global batch for step s from a seeded generator and feeds only its own rows
 (sharding.process_batch_slice) to sharding.global_batch, exactly as a data loader on each host would. Every process
-prints `LOSS <step> <float.hex>` per step and `DONE <process> <processes> <devices>` at the end.
+prints `LOSS <step> <float.hex>` per step, after training `EXPORT <sha256 of export.flatten_params of the params>
+<whether a weight is fully addressable here>`, and `DONE <process> <processes> <devices>` at the end.
 """
 
 from __future__ import annotations
@@ -122,6 +123,14 @@ def main(argv=None) -> int:
             mngr.wait_until_finished()
     mngr.wait_until_finished()
     mngr.close()
+    # What export.py writes: every parameter whole on every process (all-gathered where fsdp spans the processes).
+    import hashlib
+
+    from coupled_qk_jax.export import flatten_params
+
+    tensors = flatten_params(state["params"])
+    digest = hashlib.sha256(b"".join(k.encode() + tensors[k].tobytes() for k in sorted(tensors))).hexdigest()
+    print(f"EXPORT {digest} {state['params']['blocks'][0]['attn']['wq'].is_fully_addressable}", flush=True)
     print(f"DONE {jax.process_index()} {jax.process_count()} {jax.device_count()}", flush=True)
     if multi:
         jax.distributed.shutdown()

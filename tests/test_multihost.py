@@ -75,6 +75,12 @@ def losses(out: str) -> dict[int, str]:
     return {int(line.split()[1]): line.split()[2] for line in out.splitlines() if line.startswith("LOSS ")}
 
 
+def exported(out: str) -> tuple[str, str]:
+    line = [x for x in out.splitlines() if x.startswith("EXPORT ")]
+    assert line, out[-4000:]
+    return tuple(line[-1].split()[1:])
+
+
 def done(out: str) -> tuple[int, int, int]:
     line = [x for x in out.splitlines() if x.startswith("DONE ")]
     assert line, out[-4000:]
@@ -99,6 +105,12 @@ def test_two_process_train_checkpoint_resume_equals_one_process(tmp_path):
         assert losses(out) == reference
     for out in resumed:
         assert losses(out) == {s: reference[s] for s in (4, 5)}
+    # export.flatten_params of the final params: on 2 processes (fsdp across them, so no process holds a whole
+    # weight) every process gets the 1-process run's tensors, bit for bit.
+    digest, whole = exported(one)
+    assert whole == "True"
+    for out in two + resumed:
+        assert exported(out) == (digest, "False")
     assert (tmp_path / "multi" / "ckpt" / "3").is_dir()
 
 
