@@ -1,11 +1,12 @@
 """Test set-up, done at import, before any test module imports jax (JAX reads XLA_FLAGS once, when its CPU backend
 starts, and its compilation-cache settings when it is imported).
 
-- One CPU device for the session. Tests that need a device mesh carry the ``mesh`` marker; they run in ONE pytest
-  subprocess with :data:`MESH_DEVICES` fake CPU devices, started as soon as collection ends so it overlaps the rest
-  of the session (2 cores: the main session compiles on one, the mesh subprocess on the other). In the main session
-  each mesh test waits for its own result from the subprocess and reports it (pass, fail with the subprocess's
-  traceback, or skip), so ``pytest -k``, ``-x`` and the durations table treat mesh tests like any other.
+- Three lanes, one process each, started as soon as collection ends so that they overlap (2 cores): the main
+  session (one CPU device); a subprocess with :data:`MESH_DEVICES` fake CPU devices for the tests that carry the
+  ``mesh`` marker; and a second one-device subprocess for the modules of :data:`SECOND_LANE_MODULES`. In the main
+  session a lane's test is the lane's reports of it, replayed (pass, fail with the lane's traceback, skip, and its
+  durations), and none of its fixtures run there, so ``pytest -k``, ``-x`` and the durations table treat lane tests
+  like any other.
 - Two compile-time switches, FAST_COMPILE_FLAGS, for every program the session builds. They change LLVM's code
   generation only: the HLO passes, sharding, collectives and buffer assignment (hence memory_analysis) are those of
   a default compile, and every comparison inside a test is between programs compiled alike.
@@ -30,9 +31,15 @@ import pytest
 
 FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 MESH_DEVICES = 8
-# Set in the mesh subprocess: where it appends one JSON line per finished test.
-_MESH_RESULTS_ENV = "COUPLED_QK_JAX_TEST_MESH_RESULTS"
-IN_MESH_SUBPROCESS = _MESH_RESULTS_ENV in os.environ
+# The second one-device lane: whole modules, so that their module- and session-scoped fixtures (the shared all-variant
+# gradient programs of test_model, test_scan, test_precision) are built once, in that lane. Chosen by measured time
+# (CI at 628a7e0): these take about as long as what stays in the main session beside the mesh lane.
+SECOND_LANE_MODULES = ("test_attention.py", "test_dynamics.py", "test_generate.py", "test_model.py",
+                       "test_precision.py", "test_scan.py")
+# Set in a lane subprocess: where it appends one JSON line per finished test, and its device count.
+_LANE_RESULTS_ENV = "COUPLED_QK_JAX_TEST_LANE_RESULTS"
+_LANE_DEVICES_ENV = "COUPLED_QK_JAX_TEST_LANE_DEVICES"
+IN_LANE_SUBPROCESS = _LANE_RESULTS_ENV in os.environ
 
 
 def xla_flags(devices: int) -> str:
@@ -41,65 +48,67 @@ def xla_flags(devices: int) -> str:
 
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ["XLA_FLAGS"] = xla_flags(MESH_DEVICES if IN_MESH_SUBPROCESS else 1)
-if "JAX_COMPILATION_CACHE_DIR" not in os.environ or not IN_MESH_SUBPROCESS:
+os.environ["XLA_FLAGS"] = xla_flags(int(os.environ.get(_LANE_DEVICES_ENV, "1")))
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ or not IN_LANE_SUBPROCESS:
     _COMPILATION_CACHE = tempfile.mkdtemp(prefix="coupled_qk_jax_test_xla_")
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _COMPILATION_CACHE
-else:  # the mesh subprocess shares the session's directory (its programs differ: 8 devices)
+else:  # a lane shares the session's directory
     _COMPILATION_CACHE = None
 os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", f"mesh: needs several devices (a mesh in-process, or processes that each run "
-                                       f"on several); runs in the session's one subprocess with {MESH_DEVICES} CPU "
+                                       f"on several); runs in the session's subprocess with {MESH_DEVICES} CPU "
                                        "devices (tests/conftest.py)")
 
 
-def runs_in_mesh_subprocess(request) -> bool:
-    """True in the main session for a fixture whose tests run in the mesh subprocess: an expensive fixture returns
-    None there instead of doing work that only the subprocess uses."""
-    return not IN_MESH_SUBPROCESS and request.node.get_closest_marker("mesh") is not None
+# ------------------------------------------------------------------------------------------ the lane subprocesses
+class _Lane:
+    """A pytest subprocess that runs some of the session's tests on ``devices`` CPU devices, and the results it has
+    written so far."""
 
-
-# ------------------------------------------------------------------------------------------ the mesh subprocess
-class _MeshRun:
-    """The subprocess that runs the session's mesh tests, and the results it has written so far."""
-
-    def __init__(self, nodeids: list[str], rootdir: str) -> None:
-        self.directory = tempfile.mkdtemp(prefix="coupled_qk_jax_test_mesh_")
+    def __init__(self, nodeids: list[str], rootdir: str, devices: int) -> None:
+        self.devices = devices
+        self.directory = tempfile.mkdtemp(prefix=f"coupled_qk_jax_test_lane{devices}_")
         self.results_path = os.path.join(self.directory, "results.jsonl")
         self.log_path = os.path.join(self.directory, "log.txt")
-        env = {**os.environ, _MESH_RESULTS_ENV: self.results_path}
+        env = {**os.environ, _LANE_RESULTS_ENV: self.results_path, _LANE_DEVICES_ENV: str(devices)}
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--durations=10", *nodeids],
                 cwd=rootdir, env=env, stdout=log, stderr=subprocess.STDOUT)
-        self.results: dict[str, dict] = {}
+        self.results: dict[str, list[dict]] = {}  # nodeid -> its phases' reports, in order
+        self.done: set[str] = set()
+        self._offset = 0
 
-    def result(self, nodeid: str, timeout: float = 1800) -> dict | None:
-        """The subprocess's record of ``nodeid`` (waits for it), or None when the subprocess ended without one."""
+    def result(self, nodeid: str, timeout: float = 1800) -> list[dict] | None:
+        """The lane's reports of ``nodeid``'s phases (waits for its last), or None when the lane ended without them."""
         deadline = time.monotonic() + timeout
         while True:
             self._read()
-            if nodeid in self.results and self.results[nodeid].get("done"):
+            if nodeid in self.done:
                 return self.results[nodeid]
             if self.proc.poll() is not None:
                 self._read()
-                return self.results.get(nodeid)
+                return self.results.get(nodeid) if nodeid in self.done else None
             if time.monotonic() > deadline:
                 return None
-            time.sleep(0.2)
+            time.sleep(0.05)
 
     def _read(self) -> None:
         if not os.path.exists(self.results_path):
             return
-        with open(self.results_path) as f:
+        with open(self.results_path, "rb") as f:
+            f.seek(self._offset)
             for line in f:
-                if line.endswith("\n"):
-                    row = json.loads(line)
-                    merged = self.results.setdefault(row["nodeid"], {})
-                    merged.update(row)
+                if not line.endswith(b"\n"):  # a line being written: read it next time
+                    break
+                self._offset += len(line)
+                row = json.loads(line)
+                self.results.setdefault(row["nodeid"], []).append(row)
+                if row["done"]:
+                    self.done.add(row["nodeid"])
 
     def log_tail(self, chars: int = 6000) -> str:
         with open(self.log_path) as f:
@@ -112,59 +121,78 @@ class _MeshRun:
         shutil.rmtree(self.directory, ignore_errors=True)
 
 
-_MESH_RUN: list[_MeshRun] = []
+_LANE_OF: dict[str, _Lane] = {}  # nodeid -> the lane that runs it (main session only)
+
+
+def _lane_devices(item) -> int:
+    """0 = the main session; else the device count of the lane that runs ``item``."""
+    if item.get_closest_marker("mesh"):
+        return MESH_DEVICES
+    return 1 if item.path.name in SECOND_LANE_MODULES else 0
 
 
 def pytest_collection_modifyitems(session, config, items):
-    mesh = [item for item in items if item.get_closest_marker("mesh")]
-    if IN_MESH_SUBPROCESS:  # run only the mesh tests it was given
+    if IN_LANE_SUBPROCESS:  # run only the tests it was given
         return
-    if not mesh:
+    lanes = {}
+    for item in items:
+        if devices := _lane_devices(item):
+            lanes.setdefault(devices, []).append(item)
+    if not lanes:
         return
-    # Mesh tests last in the main session: by the time it reaches them the subprocess has had the whole session.
-    items[:] = [item for item in items if not item.get_closest_marker("mesh")] + mesh
-    _MESH_RUN.append(_MeshRun([item.nodeid for item in mesh], str(config.rootpath)))
+    # Lane tests last in the main session: by the time it reaches them their lanes have had the whole session.
+    items[:] = [item for item in items if not _lane_devices(item)] + [i for d in sorted(lanes) for i in lanes[d]]
+    for devices, lane_items in sorted(lanes.items(), reverse=True):  # the mesh lane first: it holds the longest tests
+        lane = _Lane([item.nodeid for item in lane_items], str(config.rootpath), devices)
+        _LANE_OF.update(dict.fromkeys((item.nodeid for item in lane_items), lane))
 
 
 def pytest_runtest_logreport(report):
-    """In the mesh subprocess: one line per phase, appended as it finishes."""
-    if not IN_MESH_SUBPROCESS:
+    """In a lane subprocess: one line per phase, appended as it finishes."""
+    if not IN_LANE_SUBPROCESS:
         return
-    row = {"nodeid": report.nodeid}
+    row = {"nodeid": report.nodeid, "when": report.when, "outcome": report.outcome, "duration": report.duration}
     if report.failed:
-        row.update(outcome="failed", phase=report.when, text=report.longreprtext[-8000:], done=True)
+        row["text"] = report.longreprtext[-8000:]
     elif report.skipped:
-        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
-        row.update(outcome="skipped", reason=reason, done=True)
-    elif report.when == "call":
-        row.update(outcome="passed", seconds=report.duration)
-    if report.when == "teardown":
-        row["done"] = True
-    if len(row) > 1:
-        with open(os.environ[_MESH_RESULTS_ENV], "a") as f:
-            f.write(json.dumps(row) + "\n")
+        row["reason"] = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    row["done"] = report.when == "teardown" or (report.when == "setup" and not report.passed)
+    with open(os.environ[_LANE_RESULTS_ENV], "a") as f:
+        f.write(json.dumps(row) + "\n")
 
 
 @pytest.hookimpl(tryfirst=True)
-def pytest_pyfunc_call(pyfuncitem):
-    """In the main session a mesh test's body is its result from the subprocess (its fixtures are cheap: tmp_path
-    at most; a mesh test must not take an expensive fixture, which would run here for nothing)."""
-    if not (_MESH_RUN and pyfuncitem.get_closest_marker("mesh")):
+def pytest_runtest_protocol(item, nextitem):  # noqa: ARG001 - pytest hook signature
+    """In the main session a lane test is its lane's reports, replayed: none of its fixtures run here, and its
+    failures, skips and durations are reported (and count for -x and --durations) as if it had run here."""
+    lane = _LANE_OF.get(item.nodeid)
+    if lane is None:
         return None
-    run = _MESH_RUN[0]
-    res = run.result(pyfuncitem.nodeid)
-    if res is None:
-        pytest.fail(f"the mesh subprocess (exit {run.proc.poll()}) reported nothing for {pyfuncitem.nodeid}; its "
-                    f"log:\n{run.log_tail()}", pytrace=False)
-    if res.get("outcome") == "failed":
-        pytest.fail(f"[{MESH_DEVICES}-device subprocess, {res.get('phase')}]\n{res.get('text', '')}", pytrace=False)
-    if res.get("outcome") == "skipped":
-        pytest.skip(res.get("reason", ""))
+    from _pytest.reports import TestReport  # noqa: PLC0415
+
+    item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
+    phases = lane.result(item.nodeid)
+    keywords = {k: 1 for k in item.keywords}
+    if not phases:
+        text = (f"the {lane.devices}-device lane subprocess (exit {lane.proc.poll()}) reported nothing for "
+                f"{item.nodeid}; its log:\n{lane.log_tail()}")
+        phases = [{"when": "call", "outcome": "failed", "text": text, "duration": 0.0}]
+    for row in phases:
+        longrepr = None
+        if row["outcome"] == "failed":
+            longrepr = f"[{lane.devices}-device lane, {row['when']}]\n{row.get('text', '')}"
+        elif row["outcome"] == "skipped":
+            path, line, _ = item.location
+            longrepr = (str(item.path), (line or 0) + 1, row.get("reason", ""))
+        report = TestReport(item.nodeid, item.location, keywords, row["outcome"], longrepr, row["when"],
+                            duration=row.get("duration", 0.0))
+        item.ihook.pytest_runtest_logreport(report=report)
+    item.ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
     return True
 
 
 def pytest_sessionfinish(session, exitstatus):  # noqa: ARG001 - pytest hook signature
-    for run in _MESH_RUN:
-        run.close()
-    if _COMPILATION_CACHE is not None and not IN_MESH_SUBPROCESS:
+    for lane in set(_LANE_OF.values()):
+        lane.close()
+    if _COMPILATION_CACHE is not None and not IN_LANE_SUBPROCESS:
         shutil.rmtree(_COMPILATION_CACHE, ignore_errors=True)

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from conftest import runs_in_mesh_subprocess, xla_flags
+from conftest import xla_flags
 from test_training import write_corpus
 
 # Subprocesses on 2 CPU devices each: in the mesh lane (conftest.py), beside the main session.
@@ -108,10 +108,8 @@ def _losses(workdir) -> list[tuple[int, float]]:
 
 
 @pytest.fixture(scope="module")
-def reference(request, tmp_path_factory):
+def reference(tmp_path_factory):
     """An uninterrupted run to STOP (shared by the tests of this section)."""
-    if runs_in_mesh_subprocess(request):
-        return None
     tmp = tmp_path_factory.mktemp("reference")
     out = _run([*RUN_ARGS, f"--workdir={tmp / 'run'}", *_flags(tmp, steps=100000, **{"train.stop_after": STOP})])
     assert out.returncode == 0, out.stderr[-2000:]
