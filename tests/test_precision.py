@@ -5,57 +5,19 @@ their own against float64 references.
 `python -m pytest tests/test_precision.py -q -rP -k every_leaf` prints each case's per-leaf table.
 """
 
-import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from coupled_qk_jax import attention
 from coupled_qk_jax.config import ALL_VARIANTS, ModelConfig
-from coupled_qk_jax.model import TransformerLM, to_scanned, to_unscanned
+from coupled_qk_jax.model import to_scanned, to_unscanned
 from coupled_qk_jax.precision import add_bias
-from coupled_qk_jax.training import steps
 
-T = 128  # two query blocks of the default explicit path
-TOKENS = jax.random.randint(jax.random.key(1), (4, T + 1), 0, 97)
-BATCH = {"inputs": TOKENS[:, :-1], "targets": TOKENS[:, 1:]}
-
-
-def model_config(variant: str, **overrides) -> ModelConfig:
-    # coupled_euler at n = 1 with learned positions: adding f's output bias b2 to every key shifts every score of a
-    # query by the same q·(Δt·b2), which the softmax ignores, so b2's true gradient is exactly 0 and the comparison
-    # has no signal; RoPE rotates the shift per position and gives b2 a real gradient.
-    rope = variant.startswith("coupled_euler")
-    return ModelConfig(variant=variant, vocab_size=97, max_len=T, d_model=32, n_layers=2, n_heads=4, d_ff=64,
-                       coupling_hidden=8, affine_hidden=8, norm="layernorm", dt_init=0.3,
-                       positions="rope" if rope else "learned", **overrides)
-
-
-def trained_looking_params(cfg: ModelConfig) -> dict:
-    """Init params (unscanned layout) with the zero-initialised output layers of f and the affine nets made non-zero
-    (at f ≡ 0 the first layer's gradient is exactly 0) and LayerNorm shifts non-zero."""
-    _, params = steps.split_model(TransformerLM(cfg, 0))
-    rng = np.random.default_rng(0)
-
-    def perturb(path, x):
-        name = jax.tree_util.keystr(path)
-        if any(tag in name for tag in ("coupling", "affine")) and any(w in name for w in ("w2", "b2", "b1")):
-            return jnp.asarray(0.3 * rng.normal(size=x.shape), jnp.float32)
-        return x
-
-    return jax.tree_util.tree_map_with_path(perturb, params)
-
-
-@functools.cache
-def grad_fn(cfg: ModelConfig):
-    """The jitted (mean loss, gradient) on BATCH, one per config (compiled once, reused by every call)."""
-    graphdef, _ = steps.split_model(nnx.eval_shape(lambda: TransformerLM(cfg, 0)))
-    loss_fn = steps.make_loss_fn(graphdef)
-    return jax.jit(jax.value_and_grad(lambda p: loss_fn(p, BATCH)[0]))
+from programs import T, grad_fn, model_config, trained_looking_params
 
 
 def norm_ratio(a, b) -> float:

@@ -24,6 +24,8 @@ from coupled_qk_jax.config import ALL_VARIANTS, ModelConfig
 from coupled_qk_jax.model import TransformerLM, to_scanned, to_unscanned
 from coupled_qk_jax.training import steps
 
+import programs
+
 TINY = dict(vocab_size=32, max_len=8, d_model=16, n_layers=2, n_heads=4, d_ff=32, coupling_hidden=4,
             affine_hidden=4)
 RTOL, ATOL = 1e-5, 1e-7  # the atol floor covers gradient entries ~1e-11 (f's output bias), as in test_sharding.py
@@ -60,9 +62,14 @@ def assert_same(unscanned, scanned, what: str):
 
 @pytest.mark.parametrize("variant", ALL_VARIANTS)
 def test_scanned_equals_unscanned_loss_and_grads(variant):
-    g0, g1, p0, batch = pair(ModelConfig(variant=variant, **TINY))
-    l0, gr0 = loss_and_grads(g0, p0, batch)
-    l1, gr1 = loss_and_grads(g1, to_scanned(p0), batch)
+    """On the shared shape of tests/programs.py (T = 128, two query blocks), whose unscanned fp32 program is
+    test_precision's reference, compiled once for both modules."""
+    cfg = programs.model_config(variant)
+    p0 = programs.trained_looking_params(cfg)
+    _, p1 = steps.split_model(TransformerLM(dataclasses.replace(cfg, scan_layers=True), 0))
+    jax.tree.map(np.testing.assert_array_equal, to_scanned(steps.split_model(TransformerLM(cfg, 0))[1]), p1)
+    l0, gr0 = programs.grad_fn(cfg)(p0)
+    l1, gr1 = programs.grad_fn(dataclasses.replace(cfg, scan_layers=True))(to_scanned(p0))
     assert np.isfinite(float(l0))
     np.testing.assert_allclose(float(l1), float(l0), rtol=RTOL)
     assert_same(gr0, gr1, variant)
