@@ -191,7 +191,44 @@ def pytest_runtest_protocol(item, nextitem):  # noqa: ARG001 - pytest hook signa
     return True
 
 
+_SESSION = {"started": time.monotonic(), "main_done": None}
+_LANE_TIME = "<lane time>"  # the row a lane writes last: its session's seconds
+
+
+def pytest_runtest_logfinish(nodeid, location):  # noqa: ARG001 - pytest hook signature
+    if not IN_LANE_SUBPROCESS and nodeid not in _LANE_OF:
+        _SESSION["main_done"] = time.monotonic()
+
+
+def _lane_times() -> list[str]:
+    """How long each lane took: the main session's own tests, and each subprocess's session."""
+    parts = []
+    if _SESSION["main_done"] is not None:
+        parts.append(f"main session {_SESSION['main_done'] - _SESSION['started']:.0f} s")
+    for lane in sorted(set(_LANE_OF.values()), key=lambda lane: -lane.devices):
+        try:
+            lane.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            continue
+        lane._read()
+        if _LANE_TIME in lane.results:
+            parts.append(f"{lane.devices}-device lane {lane.results[_LANE_TIME][0]['seconds']:.0f} s")
+    return parts
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The lanes' times, for balancing SECOND_LANE_MODULES (collected by pytest_sessionfinish, which runs first)."""
+    if _SESSION.get("lanes"):
+        terminalreporter.write_line("lanes: " + ", ".join(_SESSION["lanes"]))
+
+
 def pytest_sessionfinish(session, exitstatus):  # noqa: ARG001 - pytest hook signature
+    if IN_LANE_SUBPROCESS:
+        with open(os.environ[_LANE_RESULTS_ENV], "a") as f:
+            f.write(json.dumps({"nodeid": _LANE_TIME, "seconds": time.monotonic() - _SESSION["started"],
+                                "done": True}) + "\n")
+    elif _LANE_OF and not (session.shouldfail or session.shouldstop) and exitstatus != pytest.ExitCode.INTERRUPTED:
+        _SESSION["lanes"] = _lane_times()
     for lane in set(_LANE_OF.values()):
         lane.close()
     if _COMPILATION_CACHE is not None and not IN_LANE_SUBPROCESS:
