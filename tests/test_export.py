@@ -12,16 +12,13 @@ import hashlib
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pytest
-from flax import nnx
 
 from coupled_qk_jax.data.corpora import CorpusSpec, iter_documents
 from coupled_qk_jax.data.tokenizer import BPETokenizer
-from coupled_qk_jax.export import ExportError, flatten_params, load_exported
+from coupled_qk_jax.export import ExportError, export_run, flatten_params, load_exported
 from coupled_qk_jax.training import loop
 from coupled_qk_jax.training.run import Run
 from coupled_qk_jax.training.config import RunConfig
@@ -33,7 +30,7 @@ TOKENIZER_VOCAB, MODEL_VOCAB = 300, 320
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    """(tmp dir, config, workdir, export dir): 3 steps of coupled_euler with a padded vocabulary, then export.py."""
+    """(tmp dir, config, workdir, export dir): 3 steps of coupled_euler with a padded vocabulary, then exported."""
     tmp = tmp_path_factory.mktemp("export")
     cfg = tiny_config(tmp, steps=3)
     tok = BPETokenizer.train(iter_documents(CorpusSpec("text_dir", path=str(tmp / "corpus"),
@@ -44,10 +41,8 @@ def run(tmp_path_factory):
     workdir = tmp / "run"
     summary = loop.train(cfg, str(workdir), progress=False)
     assert summary["status"] == "completed"
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}
-    out = subprocess.run([sys.executable, "export.py", f"--workdir={workdir}", f"--out={tmp / 'exported'}"],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
+    # export.py's own command line is run on the old-version fixture run (test_run.py, the readers' CLI test)
+    export_run(workdir, tmp / "exported")
     return tmp, cfg, workdir, tmp / "exported", summary
 
 
