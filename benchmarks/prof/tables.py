@@ -1,10 +1,10 @@
 """Markdown tables (per commit: metric per variant and ratio to standard) from prof_hlo.py's JSON files."""
-import json, re, sys, collections
+import json, os, re, sys, collections
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from hlo_ops import parse
 
-def extra(rec):
-    t = open(rec["hlo_file"]).read()
+def extra(rec, directory):
+    t = open(os.path.join(directory, os.path.basename(rec["hlo_file"]))).read()  # the HLO text beside the JSON
     top, dots = parse(t)
     cpl = [r for r in top if "while" in r["op_name"] or "_recompute" in r["op_name"]]
     allcpl = len(re.findall(r'op_name="[^"]*while[^"]*"', t))
@@ -25,7 +25,7 @@ METRICS = [("flops", 1e9, "GFLOP"), ("bytes_accessed", 1e9, "GB accessed"), ("tr
 def table(path, label):
     recs = json.load(open(path))
     for r in recs:
-        r.update(extra(r))
+        r.update(extra(r, os.path.dirname(path)))
     std = recs[0]
     names = [r["variant"].replace("coupled_", "c_").replace("dynamics_backward=", "bwd=") for r in recs]
     out = [f"| {label} | " + " | ".join(names) + " | " + " | ".join(f"{n}/std" for n in names[1:]) + " |",

@@ -50,25 +50,8 @@ def patch_peer(bench):
     lm.get_config = get_config
 
 
-SHAPE_RE = re.compile(r"(f32|bf16|f16|s32|u32|pred|s8|u8|f64|s64|u64)\[([0-9,]*)\]")
-INSTR_RE = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+([\w\-]+)\((.*)$")
-BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "pred": 1, "s8": 1, "u8": 1, "f64": 8, "s64": 8, "u64": 8}
-
-
-def shape_bytes(text):
-    total = 0
-    for dt, dims in SHAPE_RE.findall(text):
-        n = 1
-        for d in dims.split(","):
-            if d:
-                n *= int(d)
-        total += n * BYTES[dt]
-    return total
-
-
-def dims_of(text):
-    m = SHAPE_RE.search(text)
-    return [int(d) for d in m.group(2).split(",") if d] if m else []
+# The HLO-text parsing helpers are hlo_ops.py's (this file's folder is on sys.path when it runs as a script).
+from hlo_ops import INSTR_RE, dims, nbytes  # noqa: E402
 
 
 def src_tag(line):
@@ -125,12 +108,12 @@ def analyse_hlo(text):
                 res["top_instructions"] += 1
                 by_src[src]["top_ops"] += 1
                 if op not in ("parameter", "constant", "get-tuple-element", "tuple", "bitcast"):
-                    by_src[src]["top_bytes_out"] += shape_bytes(out_shape)
-                    res["top_bytes_out"] += shape_bytes(out_shape)
+                    by_src[src]["top_bytes_out"] += nbytes(out_shape)
+                    res["top_bytes_out"] += nbytes(out_shape)
             by_src[src]["all_ops"] += 1
             if op == "dot":
-                out = dims_of(out_shape)
-                lhs = dims_of(rest)
+                out = dims(out_shape)
+                lhs = dims(rest)
                 mc = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", rest)
                 contract = 1
                 if mc and lhs:
@@ -192,7 +175,7 @@ def main():
                "temp_bytes": ma.temp_size_in_bytes, "arg_bytes": ma.argument_size_in_bytes,
                "out_bytes": ma.output_size_in_bytes, "alias_bytes": getattr(ma, "alias_size_in_bytes", 0),
                "compile_s": case.compile_s, **counts, "by_src": by_src, "dot_flops_by_src": dot_src,
-               "opcodes_top": op_top, "opcodes_fused": op_fused, "hlo_file": fname,
+               "opcodes_top": op_top, "opcodes_fused": op_fused, "hlo_file": os.path.basename(fname),  # beside the JSON
                "model_cfg": {k: v for k, v in vars(case.cfg).items()} if hasattr(case.cfg, "__dict__") else None}
         records.append(rec)
         print(json.dumps({k: rec[k] for k in ("label", "variant", "flops", "bytes_accessed", "transcendentals",
