@@ -390,5 +390,15 @@ def evolve_heads_batched(
     [..., H, d_head]. `backward`: see `integrate`. benchmarks/NOTES.md compares this lowering with a vmap over heads.
     """
     n_heads = _check_heads(q, k, dt, method, n_steps, backward)
-    f = functools.partial(coupling_mlp_heads if per_head_params else coupling_mlp, params)
-    return integrate(q, k, jnp.reshape(dt, (n_heads, 1)), f, n_steps, method, unroll, backward)
+    if per_head_params or q.ndim < 3:
+        f = functools.partial(coupling_mlp_heads if per_head_params else coupling_mlp, params)
+        return integrate(q, k, jnp.reshape(dt, (n_heads, 1)), f, n_steps, method, unroll, backward)
+    # A shared f acts on each d-vector alone, so the steps can run on the heads-major view [..., H, T, d] of
+    # [..., T, H, d] (Δt as [H, 1, 1]): the same values, but the attention kernel reads q and k heads-major, and
+    # on CPU XLA then folds both swaps into the projections instead of fusing the update into a transposing copy
+    # of every query block (issue 27, benchmarks/prof/FINDINGS.md "L1": −0.28 GFLOP and −109 MB per tiny-peer
+    # step). The swaps are free where the layouts already agree.
+    f = functools.partial(coupling_mlp, params)
+    q, k = jnp.swapaxes(q, -2, -3), jnp.swapaxes(k, -2, -3)
+    q, k = integrate(q, k, jnp.reshape(dt, (n_heads, 1, 1)), f, n_steps, method, unroll, backward)
+    return jnp.swapaxes(q, -2, -3), jnp.swapaxes(k, -2, -3)

@@ -49,7 +49,8 @@ def _save_all_but_gathered(prim, *_, **params) -> bool:
 REMAT_POLICIES = {
     # Every block runs under jax.checkpoint with one of these. "none" saves every residual except the weights that
     # FSDP gathered (sharding.GATHERED): the backward pass re-gathers them instead of keeping a full copy of every
-    # layer's weights alive from the forward pass (ZeRO-3). Without a mesh there is nothing gathered and it saves all.
+    # layer's weights alive from the forward pass (ZeRO-3). With nothing gathered (no fsdp) it would save all, so
+    # the unscanned stack then runs its blocks without a checkpoint.
     # The scanned stack of layers (model.scan_layers) runs "none" as "dots" instead: see TransformerLM._scan_blocks.
     "none": _save_all_but_gathered,
     "full": None,  # save nothing but the block input: recompute the whole block in the backward pass
@@ -198,10 +199,15 @@ class TransformerLM(nnx.Module):
             x, collected = self._scan_blocks(x, shared, keys, collect)
         else:
             collected = []
+            # remat="none" with nothing gathered saves every residual, so a checkpoint would only add its
+            # reduce_precision markers, which XLA keeps as fusion barriers (issue 27, benchmarks/prof/FINDINGS.md "L2").
+            run = _run_block_output
+            if cfg.remat != "none" or shd.fsdp_gathers():
+                run = nnx.remat(_run_block_output, policy=REMAT_POLICIES[cfg.remat])
             for i, block in enumerate(self.blocks):
                 key = None if keys is None else keys[i]
                 if not collect:
-                    x = nnx.remat(_run_block_output, policy=REMAT_POLICIES[cfg.remat])(block, x, shared, key, i)
+                    x = run(block, x, shared, key, i)
                 else:
                     x, aux = _run_block(block, x, shared, key, i, collect)
                     collected.append(aux)

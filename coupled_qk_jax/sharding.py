@@ -208,6 +208,12 @@ def constrain(x: jax.Array, logical_axes: tuple) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, logical_to_spec(tuple(logical_axes), x.shape, mesh))
 
 
+def fsdp_gathers() -> bool:
+    """Whether the mesh in context splits weights over fsdp, i.e. whether `gather_weight` gathers anything."""
+    mesh = _context_mesh()
+    return mesh is not None and mesh.shape["fsdp"] > 1
+
+
 def gather_weight(var: nnx.Variable, name: str = "a parameter") -> jax.Array:
     """The value of one Param, all-gathered over fsdp where it is read (ZeRO-3), under the mesh in context.
 
@@ -217,9 +223,9 @@ def gather_weight(var: nnx.Variable, name: str = "a parameter") -> jax.Array:
     the stacked blocks, inside the layer scan) drops it. The plain value without a mesh or with mesh.fsdp == 1.
     """
     value = var.get_value()
-    mesh = _context_mesh()
-    if mesh is None or mesh.shape["fsdp"] == 1:
+    if not fsdp_gathers():
         return value
+    mesh = _context_mesh()
     axes = tuple(var.get_metadata().get("logical_axes") or (None,) * value.ndim)
     if len(axes) == value.ndim + 1 and axes[0] == "layers":
         axes = axes[1:]
@@ -235,8 +241,7 @@ def gather_weights(module: nnx.Module) -> nnx.Module:
     """A copy of `module` whose Params are `gather_weight`ed: the model applies it to one block at a time, so inside
     the layer scan one layer's weights are gathered per iteration instead of the whole model at the start of the
     step. `module` itself is not modified; without a mesh (or with mesh.fsdp == 1) it is returned as is."""
-    mesh = _context_mesh()
-    if mesh is None or mesh.shape["fsdp"] == 1:
+    if not fsdp_gathers():
         return module
     graphdef, state = nnx.split(module)
 

@@ -214,3 +214,39 @@ def test_collect_at_multi_block_length(variant):
         lam = float(model.blocks[1].attn.lambda_value())
         a = a[:, 0::2] - lam * a[:, 1::2]
     np.testing.assert_allclose(aux["attn"], a, rtol=1e-4, atol=1e-5)
+
+
+def _checkpoints(jaxpr) -> int:
+    """The number of jax.checkpoint (remat) equations in a jaxpr, nested ones included."""
+    count = 0
+    for eqn in jaxpr.eqns:
+        count += eqn.primitive.name in ("checkpoint", "remat2", "remat")  # its name differs across jax versions
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's Jaxpr
+                if hasattr(sub, "eqns"):
+                    count += _checkpoints(sub)
+    return count
+
+
+def test_unscanned_blocks_are_checkpointed_only_where_something_is_dropped():
+    """Issue 27 (benchmarks/prof/FINDINGS.md, L2): remat="none" with nothing FSDP-gathered runs the Python loop's
+    blocks without jax.checkpoint, whose reduce_precision markers cost fusions on CPU. Positive controls: remat
+    "full" checkpoints every block, and so does "none" under a mesh with fsdp = 2 (its gathered weights are not
+    saved)."""
+    from coupled_qk_jax import sharding
+    from coupled_qk_jax.training import steps
+
+    def count(remat, fsdp=1):
+        cfg = ModelConfig(variant="coupled_euler", vocab_size=32, max_len=16, d_model=16, n_layers=2, n_heads=2,
+                          d_ff=32, remat=remat)
+        graphdef, params = steps.split_model(TransformerLM(cfg, 0))
+        tokens = jnp.zeros((2, 16), jnp.int32)
+        loss = lambda p: steps.make_loss_fn(graphdef)(p, {"inputs": tokens, "targets": tokens})[0]
+        mesh = jax.sharding.AbstractMesh((1, fsdp, 1), sharding.MESH_AXES)
+        with jax.sharding.use_abstract_mesh(mesh):
+            return _checkpoints(jax.make_jaxpr(loss)(params).jaxpr)
+
+    assert count("none") == 0
+    assert count("full") == 2
+    assert count("none", fsdp=2) == 2
