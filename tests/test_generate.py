@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -13,10 +10,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import xla_flags
 from coupled_qk_jax import generate
 from coupled_qk_jax.config import ALL_VARIANTS, ModelConfig
-from coupled_qk_jax.errors import UserError
 from coupled_qk_jax.generate import Generator, Sampling, sample_logits
 from coupled_qk_jax.model import TransformerLM
 
@@ -282,55 +277,7 @@ def test_sampling_seed_reproduces():
     assert (_draws(s, seed=5) != _draws(s, seed=6)).any()
 
 
-# ------------------------------------------------------------------------------------------------- a trained run
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _sample_cli(args: list[str]) -> subprocess.CompletedProcess:
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT, XLA_FLAGS=xla_flags(1))
-    return subprocess.run([sys.executable, "sample.py", *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
-
-
-def test_load_run_and_sample_cli(tmp_path):
-    """A 2-step run: load_run restores its exact parameters and tokenizer; sample.py decodes greedily from it the
-    same tokens as the Generator in this process, and a bad --ids is one error line with exit 2."""
-    from test_training import leaves_with_names, tiny_config
-
-    from coupled_qk_jax.training import loop
-    from coupled_qk_jax.training.run import Run
-
-    cfg = tiny_config(tmp_path, "coupled_leapfrog", steps=2, num_seeds=2)  # a seed-parallel run: two models
-    cfg.model.positions = "rope"
-    workdir = str(tmp_path / "run")
-    _, state = loop.train(cfg, workdir, progress=False, return_state=True)
-    run = Run.open(workdir)
-    for replica in (0, 1):
-        restored = leaves_with_names(nnx.to_pure_dict(nnx.state(run.model(replica=replica))))
-        trained = leaves_with_names(loop.seed_slice(state["params"], replica))
-        assert restored.keys() == trained.keys()
-        for name in trained:
-            np.testing.assert_array_equal(restored[name], trained[name], err_msg=name)
-    tokenizer = run.tokenizer
-    assert tokenizer.kind == "byte" and tokenizer.vocab_size == 257
-    with pytest.raises(UserError, match="--replica=2: the run has 2 seed replica"):
-        run.model(replica=2)
-    model = run.model()  # replica 0, what sample.py uses by default
-
-    prompts = generate.encode_prompts(tokenizer, ["def f"]) + [np.array([100, 101], np.int32)]
-    expected = Generator(model, vocab_limit=tokenizer.vocab_size).generate(prompts, 5, GREEDY)
-    out = _sample_cli([f"--workdir={workdir}", "--prompt=def f", "--ids=100,101", "--temperature=0",
-                       "--max_new_tokens=5", "--nostop_at_eot"])
-    assert out.returncode == 0, out.stderr[-2000:]
-    texts = out.stdout.split("--- sample ")[1:]
-    assert len(texts) == 2
-    for text, prompt, new in zip(texts, prompts, expected):
-        assert text.split("\n", 1)[1].rstrip("\n") == tokenizer.decode(np.concatenate([prompt, new]))
-    bad = _sample_cli([f"--workdir={workdir}", "--top_p=2"])  # refused before anything is loaded
-    assert bad.returncode == 2
-    assert bad.stderr.strip().splitlines() == ["error: top_p must be in (0, 1] (1 = off), got 2.0"]
-
-
+# ---------------------------------------------- token ids (a trained run and sample.py: test_run.py, on its 2-seed run)
 def test_parse_token_ids():
     parse_ids = generate.parse_token_ids
     np.testing.assert_array_equal(parse_ids("1, 2,3", 10), [1, 2, 3])

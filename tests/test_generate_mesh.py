@@ -5,7 +5,8 @@ Every test here carries the ``mesh`` marker: they run in the session's one subpr
 its KV cache, or the host values of its parameters. Each variant is one tiny model (test_generate.tiny_model, vocab
 64 so that tensor=2 divides it, one layer; the cache test's model has two), one batch of three prompts of different
 lengths (three rows on a data x fsdp = 4 mesh: one padding row) and five new tokens: four compilations per
-variant, which is most of what this file costs.
+variant, which is most of what this file costs. A trained run opened with Run.open(dir, mesh=...) and generating
+on the mesh (sample.py's path) is checked by tests/scripts/run_portability.py (test_run.py), on its 8-device run.
 """
 
 from __future__ import annotations
@@ -106,33 +107,3 @@ def test_export_of_sharded_params_is_bitwise_the_single_device_export():
         assert np.isfinite(want).all(), name
         assert isinstance(got[name], np.ndarray) and got[name].dtype == want.dtype, name
         assert np.array_equal(got[name], want), name
-
-
-def test_run_opened_on_a_mesh_generates_the_single_device_tokens(tmp_path):
-    """sample.py's path: a train.py run (1 step) restored by Run.open(dir, mesh="data:2,fsdp:2,tensor:2"), then
-    Generator(run.model()): the Generator finds the mesh on the restored parameters by itself, and its greedy
-    tokens equal those of Run.open(dir) (one device). (sample.py itself is not started: a second 8-device process
-    would cost as much as the rest of this file's variants.)"""
-    from test_training import tiny_config
-
-    from coupled_qk_jax import generate
-    from coupled_qk_jax.training import loop
-    from coupled_qk_jax.training.run import Run
-
-    cfg = tiny_config(tmp_path, "coupled_euler", steps=1)
-    cfg.model.vocab_size = 264  # the byte tokenizer's 257 ids, padded so that tensor=2 divides the vocabulary
-    cfg.checkpoint.every = 1
-    workdir = str(tmp_path / "run")
-    loop.train(cfg, workdir, progress=False)
-    one = Run.open(workdir)
-    tokenizer = one.tokenizer
-    prompts = generate.encode_prompts(tokenizer, ["def f", "import", "x = "])
-    single = Generator(one.model(), vocab_limit=tokenizer.vocab_size)
-    assert single.mesh is None  # Run.open's default one-device mesh is the unsharded program
-    expected = single.generate(prompts, NEW_TOKENS, GREEDY)
-    assert all(0 <= e.min() and e.max() < tokenizer.vocab_size for e in expected)
-
-    sharded = Generator(Run.open(workdir, mesh="data:2,fsdp:2,tensor:2").model(), vocab_limit=tokenizer.vocab_size)
-    assert dict(sharded.mesh.shape) == MESH
-    for row, (want, got) in enumerate(zip(expected, sharded.generate(prompts, NEW_TOKENS, GREEDY))):
-        np.testing.assert_array_equal(got, want, err_msg=f"row {row}")

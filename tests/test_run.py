@@ -283,6 +283,14 @@ def test_every_reader_takes_a_replica(two_seed, tmp_path):
         assert manifest["replica"] == r and manifest["seed"] == r and exported.keys() == trained.keys()
         for k in trained:
             np.testing.assert_array_equal(np.asarray(exported[k]), trained[k], err_msg=k)
+    for r in (0, 1):  # the model sample.py and diagnostics build: the trained replica's exact parameters
+        restored = leaves_with_names(nnx.to_pure_dict(nnx.state(run.model(replica=r))))
+        trained = leaves_with_names(loop.seed_slice(state["params"], r))
+        assert restored.keys() == trained.keys()
+        for k in trained:
+            np.testing.assert_array_equal(restored[k], trained[k], err_msg=k)
+    with pytest.raises(UserError, match="--replica=2: the run has 2 seed replica"):
+        run.model(replica=2)
     with pytest.raises(UserError, match=r"^--replica=2: the run has 2 seed replica\(s\), 0\.\.1 \(seeds \[0, 1\]\)$"):
         export_run(workdir, tmp_path / "nope", replica=2)
     assert not (tmp_path / "nope").exists()
@@ -322,6 +330,27 @@ def test_eval_cli_prints_a_row_per_replica(two_seed, tmp_path):
     bad = _cli("sample.py", f"--workdir={workdir}", "--num_samples=0")
     assert bad.returncode == 2 and bad.stderr.splitlines() == [
         "error: --num_samples=0: samples per prompt must be at least 1"]
+    bad = _cli("sample.py", f"--workdir={workdir}", "--top_p=2")  # refused before anything is loaded
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
+        "error: top_p must be in (0, 1] (1 = off), got 2.0"]
+
+    # sample.py decodes greedily the tokens of the Generator in this process (replica 0, its default): a text
+    # prompt and an --ids prompt of another length
+    from coupled_qk_jax import generate
+
+    run = Run.open(workdir)
+    tokenizer = run.tokenizer
+    assert tokenizer.kind == "byte" and tokenizer.vocab_size == 257
+    prompts = generate.encode_prompts(tokenizer, ["def f"]) + [np.array([100, 101], np.int32)]
+    expected = generate.Generator(run.model(), vocab_limit=tokenizer.vocab_size).generate(
+        prompts, 5, generate.Sampling(temperature=0))
+    out = _cli("sample.py", f"--workdir={workdir}", "--prompt=def f", "--ids=100,101", "--temperature=0",
+               "--max_new_tokens=5", "--nostop_at_eot")
+    assert out.returncode == 0, out.stderr[-2000:]
+    texts = out.stdout.split("--- sample ")[1:]
+    assert len(texts) == 2
+    for text, prompt, new in zip(texts, prompts, expected):
+        assert text.split("\n", 1)[1].rstrip("\n") == tokenizer.decode(np.concatenate([prompt, new]))
 
 
 # ---------------------------------------------------------------------------------------------------------------------

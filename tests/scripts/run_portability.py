@@ -1,6 +1,7 @@
 """Issue 24.3, run by tests/test_run.py in a subprocess with 8 CPU devices: runs trained on a (8, 1, 1) and on a
 (1, 4, 2) mesh are read back on one device and on two (training/run.py's Run, as eval.py, sample.py and export.py
-read them) with the same results: eval loss to float32 summation order, greedy tokens and exported tensors equal.
+read them) with the same results: eval loss to float32 summation order, greedy tokens and exported tensors equal;
+the (1, 4, 2) run also generates the same greedy tokens opened on a (2, 2, 2) mesh.
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/scripts/run_portability.py TMPDIR
 
@@ -48,9 +49,9 @@ def main(tmp: str) -> None:
             for k in trained:  # the very bits that were trained, on any mesh
                 np.testing.assert_array_equal(restored[k], trained[k], err_msg=f"{name} {reader} {k}")
             loss = run.evaluate("validation")["loss"]
-            model = run.model()
-            greedy = generate.Generator(model, vocab_limit=run.tokenizer.vocab_size).generate(
-                PROMPTS, 6, generate.Sampling(temperature=0))
+            generator = generate.Generator(run.model(), vocab_limit=run.tokenizer.vocab_size)
+            assert generator.mesh is None or generator.mesh.size == 2, generator.mesh  # data:1 is the plain program
+            greedy = generator.generate(PROMPTS, 6, generate.Sampling(temperature=0))
             out = export_run(workdir, os.path.join(tmp, f"{name}_export_{reader.replace(':', '')}"), mesh=reader)
             exported = leaves_with_names(jax.device_get(
                 __import__("flax").nnx.to_pure_dict(__import__("flax").nnx.state(load_exported(out)[0]))))
@@ -63,6 +64,14 @@ def main(tmp: str) -> None:
             assert tok == tok1, (name, tok, tok1)
             for k in exp1:
                 np.testing.assert_array_equal(exp[k], exp1[k], err_msg=f"{name} export {k}")
+        if name == "fsdp4_tensor2":
+            # sample.py's path on a mesh (issue 25.4): Run.open(mesh=...) then Generator(run.model()), which finds the
+            # mesh on the restored parameters; 2 prompts on data x fsdp = 4 rows: two are padding
+            sharded = generate.Generator(Run.open(workdir, mesh="data:2,fsdp:2,tensor:2").model(),
+                                         vocab_limit=run.tokenizer.vocab_size)
+            assert dict(sharded.mesh.shape) == {"data": 2, "fsdp": 2, "tensor": 2}, sharded.mesh
+            tokens = [g.tolist() for g in sharded.generate(PROMPTS, 6, generate.Sampling(temperature=0))]
+            assert tokens == tok1, (tokens, tok1)
         report[name] = {"losses": [loss1] + [o[0] for o in others], "train_loss": summary["val_loss"],
                         "tokens": tok1}
     print(json.dumps(report), flush=True)
