@@ -1,10 +1,11 @@
 """The diagnostics report on a tiny model: keys, finiteness, the PNG, and a uniform-attention sanity check whose
-expected values are computed independently in float64 numpy."""
+expected values are computed independently in float64 numpy. The report from a saved checkpoint (eval.py
+--diagnostics, by run directory and by Run) against the trained in-memory params: tests/test_run.py, on its 2-seed
+run."""
 
 import json
 import math
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -86,54 +87,6 @@ def test_uniform_attention_sanity():
         # q = k = 0 before and after the dynamics (f(0) = 0 at init): norms 0, cosines 0 by the eps floor
         assert lay["qk_mean"]["q_norm_after"] == pytest.approx(0.0, abs=1e-6)
         assert lay["qk_mean"]["qk_cos_after"] == pytest.approx(0.0, abs=1e-6)
-
-
-def test_report_from_checkpoint(tmp_path):
-    """eval.py --diagnostics path: train 2 steps with the training loop, then report on the saved checkpoint; the
-    report equals the one computed directly on the final in-memory params."""
-    import os
-
-    from configs.lm import get_config
-    from coupled_qk_jax.data.pipeline import eval_batches
-    from coupled_qk_jax.diagnostics_report import compute_diagnostics, report_from_checkpoint
-    from coupled_qk_jax.training import loop
-
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
-    rng = np.random.default_rng(0)
-    for i in range(12):
-        (corpus / f"d{i}.txt").write_text(" ".join(rng.choice(["ab", "cd", "ef", "gh"], size=300)))
-    cfg = get_config("coupled_euler,tiny")
-    cfg.model.update(vocab_size=257, d_model=32, n_layers=2, n_heads=4, d_ff=64, max_len=32, coupling_hidden=6,
-                     affine_hidden=6)
-    cfg.data.update(corpus=f"text_dir:{corpus}", tokenizer="byte", seq_len=32, split_fractions="0.6,0.2,0.2",
-                    cache_dir=str(tmp_path / "cache"), num_threads=1)
-    cfg.train.update(steps=2, batch_size=8, warmup_steps=1, log_every=1, eval_every=0, eval_batches=1)
-    cfg.checkpoint.update(every=2, keep_last=1)
-    work = str(tmp_path / "run")
-    _, state = loop.train(cfg, work, progress=False, return_state=True)
-    rep = report_from_checkpoint(work, "validation", windows=4)
-    test_rep = report_from_checkpoint(work, "test", windows=4)
-    # one pair of files per split and step: the second split does not overwrite the first
-    for split, r in (("validation", rep), ("test", test_rep)):
-        assert r["files"] == {ext: os.path.join(work, f"diagnostics_{split}_step2.{ext}") for ext in ("json", "png")}
-        assert all(os.path.isfile(f) for f in r["files"].values())
-        assert json.loads(open(r["files"]["json"]).read())["split"] == split
-    assert rep["checkpoint_step"] == 2 and len(rep["layers"]) == 2
-    # independent reference: the same windows through the in-memory trained params
-    from flax import nnx
-    from coupled_qk_jax.model import TransformerLM
-    from coupled_qk_jax.training.steps import split_model
-    from coupled_qk_jax.data.token_cache import build_token_cache
-    from coupled_qk_jax.training.config import DataConfig
-
-    graphdef, _ = split_model(TransformerLM(loop.model_config(cfg), 0))
-    params = jax.tree.map(lambda x: np.asarray(jax.device_get(x)), state["params"])
-    cache = build_token_cache(DataConfig.from_dict(cfg.data).corpus_spec(), cfg.data.cache_dir, tokenizer="byte", vocab_size=257)
-    b = next(iter(eval_batches(cache.tokens("validation"), 32, 4, bos_id=cache.eot_id)))
-    ref = compute_diagnostics(nnx.merge(graphdef, params), b["inputs"][(b["targets"] != -100).all(axis=1)])
-    for k, v in ref["model_mean"].items():
-        assert rep["model_mean"][k] == pytest.approx(v, rel=1e-5, abs=1e-6), k
 
 
 def test_colour_scale_is_one_per_metric_group():

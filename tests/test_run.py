@@ -298,11 +298,20 @@ def test_every_reader_takes_a_replica(two_seed, tmp_path):
     from coupled_qk_jax.diagnostics_report import compute_diagnostics, report_from_checkpoint
 
     rep = report_from_checkpoint(run, "validation", windows=4, out_dir=tmp_path / "diag", replica=1)
-    assert rep["replica"] == 1 and rep["files"]["json"].endswith("diagnostics_validation_step4_replica1.json")
-    saved_rank = json.loads(open(rep["files"]["json"]).read())["model_mean"]["effective_rank"]
+    # eval.py --diagnostics' path (a run directory); the second split does not overwrite the first's files
+    test_rep = report_from_checkpoint(workdir, "test", windows=4, out_dir=tmp_path / "diag", replica=1)
+    for split, r in (("validation", rep), ("test", test_rep)):
+        assert r["files"] == {ext: str(tmp_path / "diag" / f"diagnostics_{split}_step4_replica1.{ext}")
+                              for ext in ("json", "png")}
+        assert all(os.path.isfile(f) for f in r["files"].values())
+        assert json.loads(open(r["files"]["json"]).read())["split"] == split
+    assert rep["replica"] == 1 and rep["checkpoint_step"] == 4 and len(rep["layers"]) == cfg.model.n_layers
+    saved = json.loads(open(rep["files"]["json"]).read())["model_mean"]
     direct = compute_diagnostics(nnx.merge(run.graphdef, loop.seed_slice(state["params"], 1)),
-                                 _first_windows(run, 4))
-    assert saved_rank == pytest.approx(direct["model_mean"]["effective_rank"], rel=1e-6)
+                                 _first_windows(run, 4))  # the same windows through the trained in-memory params
+    assert saved.keys() == direct["model_mean"].keys()
+    for k, v in direct["model_mean"].items():
+        assert saved[k] == pytest.approx(v, rel=1e-5, abs=1e-6), k
 
 
 def _first_windows(run, n):
