@@ -7,17 +7,19 @@
 #   TAG=label OUT=benchmarks/results bash benchmarks/prof/run_levers.sh
 set -euo pipefail
 : "${OLD:?}" "${OLD_PY:?}" "${NEW:?}" "${NEW_PY:?}" "${TAG:?}"
-OUT=$(cd "${OUT:-benchmarks/results}" && pwd)
+OUT=${OUT:-benchmarks/results}  # relative to each checkout: the JSON records its command, so no machine path in it
 VARIANTS=standard,coupled_euler,coupled_leapfrog,coupled_euler:n_steps=7,mlp_only
 for run in 1 2; do
   for side in old new; do
     if [ $side = old ]; then root=$OLD py=$OLD_PY; else root=$NEW py=$NEW_PY; fi
+    name=cpu_levers_${TAG}_${side}_run$run
     (cd "$root" && "$py" benchmarks/bench_attention.py --scales tiny-peer,small-peer --rounds 6 --variants $VARIANTS \
-      --out "$OUT/cpu_levers_${TAG}_${side}_run$run.json")
+      --out "$OUT/$name.json")
+    if [ "$root" != "$NEW" ]; then mv "$root/$OUT/$name".json "$root/$OUT/$name".md "$NEW/$OUT/"; fi
   done
   if [ -n "${TORCH_PY:-}" ]; then
-    "$TORCH_PY" "$NEW/benchmarks/bench_torch_peer.py" --shapes tiny-peer,small-peer --rounds 6 \
+    (cd "$NEW" && "$TORCH_PY" benchmarks/bench_torch_peer.py --shapes tiny-peer,small-peer --rounds 6 \
       --variants standard,coupled_euler,coupled_leapfrog,coupled_euler:n_steps=7 \
-      --out "$OUT/cpu_levers_${TAG}_torch_run$run.json"
+      --out "$OUT/cpu_levers_${TAG}_torch_run$run.json")
   fi
 done
