@@ -82,19 +82,24 @@ def test_everything_policy_matches_one_block(variant, dtype, extra):
     """One block under the Python loop's remat=none policy. Beyond the model's count the block saves the causal
     mask of each query block as a bool and the fill of `jnp.where` as fp32 (1 + 4 bytes per score element): the same
     constants in every layer, which the layer scan keeps once and XLA folds, so the model leaves them out; the test
-    adds them by hand. (With nothing FSDP-gathered the loop runs its blocks without the checkpoint; JAX's plain
-    residuals were then measured equal to these up to scalars, and 2.4% fewer for mlp_only with autodiff at n = 2.)"""
+    adds them by hand. With nothing FSDP-gathered the loop runs its blocks without the checkpoint (issue 27): what
+    plain autodiff saves then stays within 3% of this count (equal but for a few scalars, 2.4% fewer for mlp_only
+    with autodiff at n = 2), so the count still describes what the loop keeps."""
     cfg = ModelConfig(variant=variant, vocab_size=64, max_len=T, d_model=64, n_layers=2, n_heads=4, d_ff=256,
                       coupling_hidden=12, attention_impl="explicit", dtype=dtype, **extra)
     graphdef, params = nnx.split(Block(cfg, 0, jax.random.key(0)))
-    fn = jax.checkpoint(lambda p, x: _run_block_output(nnx.merge(graphdef, p), x, None, None, 0),
-                        policy=REMAT_POLICIES["none"])
-    rows = residuals(fn, nnx.to_pure_dict(params), jnp.zeros((B, T, cfg.d_model), dtype))
-    saved = sum(n for _, n, src in rows if not ("from the argument" in src and "['" in src))  # but x
+    plain = lambda p, x: _run_block_output(nnx.merge(graphdef, p), x, None, None, 0)
+    args = (nnx.to_pure_dict(params), jnp.zeros((B, T, cfg.d_model), dtype))
+
+    def saved(fn) -> int:
+        return sum(n for _, n, src in residuals(fn, *args) if not ("from the argument" in src and "['" in src))  # but x
+
     blocks = memory_model._query_blocks(cfg, T)
     mask = 5 * B * cfg.n_heads * sum((hi - lo) * hi for lo, hi in blocks)
     per_seq, per_layer = memory_model.layer_residuals(cfg, T, jnp.dtype(dtype).itemsize, policy="everything")
-    assert B * sum(per_seq.values()) + sum(per_layer.values()) + mask == saved
+    counted = B * sum(per_seq.values()) + sum(per_layer.values()) + mask
+    assert counted == saved(jax.checkpoint(plain, policy=REMAT_POLICIES["none"]))
+    assert abs(saved(plain) - counted) <= 0.03 * counted
 
 
 def test_query_blocks_follow_the_kernel():
