@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from coupled_qk_jax.reporting import fmt, markdown_table, mean_std, write_csv
+from coupled_qk_jax.training import rundir
 
 # Absolute paths of this machine that must not reach the committed results (e.g. --corpus-dir), with the
 # placeholder written instead. The sweep's main() fills it.
@@ -339,6 +340,12 @@ def report(results: dict[str, dict[str, Any]], out: Path, command: str, target_p
 
     for name, r in results.items():
         if r.get("diagnostics"):
+            # Every seed's diagnostics, committed beside the table (the run directories are not kept), so that
+            # `python -m experiments.paired --metric effective_rank TABLE:RUN ...` can pair them by seed.
+            (out / "runs").mkdir(exist_ok=True)
+            rundir.write_json(out / "runs" / f"{safe_name(name)}.json",
+                              {"run": name, "seeds": r["seeds"], "commits": r.get("commits"),
+                               "diagnostics": r["diagnostics"]})
             (out / "diagnostics").mkdir(exist_ok=True)
             plot_diagnostics(r["diagnostics"][0], out / "diagnostics" / f"{safe_name(name)}_seed{r['seeds'][0]}.png",
                              title=f"{name}, seed {r['seeds'][0]}")

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from coupled_qk_jax.training import loop
-from experiments import reports, sweep
+from experiments import paired, reports, sweep
 
 TIMING = {"train_seconds", "tokens_per_s_all_seeds"}  # wall-clock columns: the only ones allowed to differ
 
@@ -103,6 +103,9 @@ def test_stopped_sweep_resumes_and_matches_uninterrupted(spec, monkeypatch, caps
         assert len(diag) == 2
         assert float(r["diag_effective_rank"]) == pytest.approx(np.mean([d["model_mean"]["effective_rank"]
                                                                          for d in diag]))
+        # the per-seed values committed beside the table, as experiments.paired pairs them, are the run's own
+        assert paired.seed_values(f"{stopped / 'results.csv'}:{r['run']}", "effective_rank") == \
+            [d["model_mean"]["effective_rank"] for d in diag]
         # mean |Δt| from the per-layer Δt lists (signs would cancel in the signed mean); standard has none
         abs_dt = [np.mean([abs(x) for lay in d["layers"] if lay["dt"] for x in lay["dt"]]) for d in diag] \
             if r["variant"] == "coupled_euler" else None
