@@ -23,7 +23,7 @@ from coupled_qk_jax import distributed
 pytestmark = pytest.mark.mesh
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "multihost_worker.py"
-TIMEOUT_S = 240
+TIMEOUT_S = 900  # a hang guard: 74 s idle, 194 s on a loaded machine
 
 
 def _env(local_devices: int, cluster: dict[str, str]) -> dict[str, str]:

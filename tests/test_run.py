@@ -43,8 +43,10 @@ ADDED_NOTES = ["checkpoint.keep_best: not in this run, using default ''",
 
 def _cli(script: str, *args: str, devices: int = 1) -> subprocess.CompletedProcess:
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT, XLA_FLAGS=xla_flags(devices))
+    # A guard against hangs, not a speed bound: loaded CI machines run these several times slower than idle (the
+    # 8-device portability script: 89 s idle, over 300 s beside two training jobs).
     return subprocess.run([sys.executable, script, *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
+                          timeout=1200)
 
 
 @pytest.fixture
