@@ -175,9 +175,14 @@ class TransformerLM(nnx.Module):
         self.blocks = stack_blocks(blocks) if cfg.scan_layers else nnx.List(blocks)
         self.final_norm = Norm(cfg)
 
-    def __call__(self, tokens: Array, *, dropout_key: Array | None = None, collect: bool = False):
+    def __call__(self, tokens: Array, *, dropout_key: Array | None = None, collect: bool = False,
+                 logit_positions: Array | None = None):
         """tokens: int [B, T] with T <= max_len. Returns logits [B, T, V] (float32), plus a list of per-layer
-        intermediates (q/k before and after the transform, the attention matrix, Δt) when `collect=True`."""
+        intermediates (q/k before and after the transform, the attention matrix, Δt) when `collect=True`.
+
+        logit_positions: int [B, K] -> logits [B, K, V] at those positions only. A loss that scores K << T positions
+        (MQAR's answers) skips the [B, T, V] head otherwise spent on ignored targets, as nanoGPT computes the head
+        at the last position only when generating; at zoology's vocabulary 8192 that head is most of a step."""
         cfg = self.cfg
         t = tokens.shape[-1]
         if t > cfg.max_len:
@@ -212,6 +217,8 @@ class TransformerLM(nnx.Module):
                     x, aux = _run_block(block, x, shared, key, i, collect)
                     collected.append(aux)
         x = shd.gather_weights(self.final_norm)(x)
+        if logit_positions is not None:
+            x = jnp.take_along_axis(x, logit_positions[..., None].astype(jnp.int32), axis=1)
         # Tied head: logits = x @ E^T, accumulated in float32.
         logits = jnp.einsum("btd,vd->btv", x, embed.astype(dtype), preferred_element_type=jnp.float32)
         logits = shd.constrain(logits, ("batch", "length", "vocab"))

@@ -334,6 +334,14 @@ def test_batches_are_contiguous_single_segment_and_padded():
     # Segment b needs no padding.
     np.testing.assert_array_equal(np.concatenate([batches[3]["inputs"], batches[4]["inputs"]]), xb)
     np.testing.assert_array_equal(batches[4]["num_kv_pairs"], [4, 4])
+    # answer_positions: each row's labelled positions in increasing order (hand-found with np.nonzero); the
+    # padding row gets 0..N-1, all labelled -100.
+    for b in batches:
+        for row, labels in enumerate(b["labels"]):
+            want = np.nonzero(labels != IGNORE_INDEX)[0] if b["mask"][row] else np.arange(b["answer_positions"].shape[1])
+            np.testing.assert_array_equal(b["answer_positions"][row], want)
+    assert batches[0]["answer_positions"].shape == (2, 2) and batches[3]["answer_positions"].shape == (2, 4)
+    assert np.all(np.take_along_axis(last["labels"], last["answer_positions"], axis=1)[1] == IGNORE_INDEX)
 
 
 def test_batches_without_padding_and_errors():
@@ -346,6 +354,11 @@ def test_batches_without_padding_and_errors():
     np.testing.assert_array_equal(again[0]["num_kv_pairs"], [2, 2, 2, 2])
     with pytest.raises(ValueError, match="pad_to"):
         make_batches([seg], batch_size=2, pad_to=8)
+    # A row whose label count is not N would lose answers to the fixed-width answer_positions: refused.
+    y_bad = y.copy()
+    y_bad[1, np.nonzero(y_bad[1] != IGNORE_INDEX)[0][0]] = IGNORE_INDEX
+    with pytest.raises(ValueError, match="every MQAR row must have 2 labels"):
+        mqar.pad_batch(x[:2], y_bad[:2], 2, 16, 2)
     with pytest.raises(ValueError, match="batch_size"):
         make_batches([seg], batch_size=0)
 

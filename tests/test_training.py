@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
+from flax import nnx
 
 from configs.lm import get_config
 from coupled_qk_jax import sharding as shd
@@ -323,6 +324,46 @@ def test_ignore_index_targets_do_not_count():
     ref = -(lp[0, 0, 1] + lp[0, 2, 4] + lp[1, 2, 0])
     assert int(count) == 3
     np.testing.assert_allclose(float(total), ref, rtol=1e-5)
+
+
+def test_loss_at_answer_positions_is_the_masked_loss_over_all_positions():
+    """With "answer_positions" the loss computes logits at those K positions only; its value is the masked CE over
+    every position (reference: numpy float64 log-softmax of the model's full logits) and its gradient that of the
+    full-logits loss (the ignored positions contribute nothing). Padding rows (all -100) stay weightless."""
+    from coupled_qk_jax.training.steps import make_loss_fn
+
+    mcfg = ModelConfig(variant="coupled_euler", vocab_size=257, max_len=16, d_model=32, n_layers=2, n_heads=4,
+                       d_ff=64, coupling_hidden=6)
+    graphdef, params = split_model(TransformerLM(mcfg, 0))
+    rng = np.random.default_rng(3)
+    inputs = rng.integers(0, 257, size=(3, 16)).astype(np.int32)
+    positions = np.sort(np.stack([rng.choice(16, 3, replace=False) for _ in range(3)]), axis=1).astype(np.int32)
+    targets = np.full((3, 16), IGNORE_INDEX, np.int32)
+    np.put_along_axis(targets[:2], positions[:2], rng.integers(0, 257, size=(2, 3)).astype(np.int32), axis=1)
+    positions[2] = np.arange(3)  # row 2 is a padding row, as pad_batch writes it
+    full = {"inputs": jnp.asarray(inputs), "targets": jnp.asarray(targets)}
+    sparse = dict(full, answer_positions=jnp.asarray(positions))
+    loss_fn = make_loss_fn(graphdef)
+    (loss_s, (nll_s, count_s)), grads_s = jax.value_and_grad(loss_fn, has_aux=True)(params, sparse)
+    (loss_f, _), grads_f = jax.value_and_grad(loss_fn, has_aux=True)(params, full)
+    logits = np.asarray(nnx.merge(graphdef, params)(full["inputs"]), np.float64)
+    logp = logits - logits.max(-1, keepdims=True)
+    logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+    rows, cols = np.nonzero(targets != IGNORE_INDEX)
+    ref = -logp[rows, cols, targets[rows, cols]].sum()
+    assert int(count_s) == 6 and np.isfinite(float(nll_s))
+    np.testing.assert_allclose(float(nll_s), ref, rtol=1e-5)
+    np.testing.assert_allclose(float(loss_s), ref / 6, rtol=1e-5)
+    np.testing.assert_allclose(float(loss_s), float(loss_f), rtol=1e-6)
+    flat_s, flat_f = leaves_with_names(grads_s), leaves_with_names(grads_f)
+    for name in flat_f:
+        assert np.all(np.isfinite(flat_s[name])), name
+        np.testing.assert_allclose(flat_s[name], flat_f[name], rtol=1e-4, atol=1e-7, err_msg=name)
+    # Positive control: the gathered loss differs when a position is moved off its answer.
+    moved = positions.copy()
+    moved[0, 0] = (moved[0, 0] + 1) % 16 if (moved[0, 0] + 1) % 16 not in moved[0] else (moved[0, 0] + 2) % 16
+    nll_moved = float(loss_fn(params, dict(full, answer_positions=jnp.asarray(moved)))[1][0])
+    assert abs(nll_moved - float(nll_s)) > 1e-3
 
 
 def test_extending_a_run_keeps_the_learning_rate_continuous(tmp_path, capsys):

@@ -453,8 +453,16 @@ PROTOCOLS: dict[str, dict[str, MQARLevel]] = {"cpu": LEVELS, "zoology": ZOOLOGY_
 def pad_batch(inputs: np.ndarray, labels: np.ndarray, batch_size: int, pad_to: int, num_kv_pairs: int
                ) -> dict[str, np.ndarray]:
     """Rows ``inputs``/``labels`` [b <= batch_size, L] as one batch of ``batch_size`` rows right-padded to ``pad_to``
-    (token 0, label -100; padding rows have ``mask`` False and ``num_kv_pairs`` 0). See :func:`iter_segment_batches`."""
+    (token 0, label -100; padding rows have ``mask`` False and ``num_kv_pairs`` 0). See :func:`iter_segment_batches`.
+
+    ``answer_positions`` int32 [batch_size, num_kv_pairs]: each real row's labelled positions in increasing order
+    (0..N-1 on padding rows, whose labels are all -100), so a loss can compute logits there alone. Every real row
+    must hold exactly ``num_kv_pairs`` labels (MQAR's invariant); a row with another count is refused, since the
+    fixed-width positions would drop or invent answers."""
     b, L = inputs.shape
+    counts = (labels != IGNORE_INDEX).sum(axis=1)
+    if b and np.any(counts != num_kv_pairs):
+        raise ValueError(f"every MQAR row must have {num_kv_pairs} labels, got counts {sorted(set(counts.tolist()))}")
     out_inputs = np.full((batch_size, pad_to), PAD_TOKEN, dtype=np.int32)
     out_labels = np.full((batch_size, pad_to), IGNORE_INDEX, dtype=np.int32)
     out_inputs[:b, :L] = inputs
@@ -462,7 +470,11 @@ def pad_batch(inputs: np.ndarray, labels: np.ndarray, batch_size: int, pad_to: i
     mask = np.zeros((batch_size,), dtype=bool)
     mask[:b] = True
     nkv = np.where(mask, num_kv_pairs, 0).astype(np.int32)
-    return {"inputs": out_inputs, "labels": out_labels, "mask": mask, "num_kv_pairs": nkv}
+    positions = np.tile(np.arange(num_kv_pairs, dtype=np.int32), (batch_size, 1))
+    # A stable argsort puts each row's labelled positions first, in increasing order.
+    positions[:b] = np.argsort(labels == IGNORE_INDEX, axis=1, kind="stable")[:, :num_kv_pairs]
+    return {"inputs": out_inputs, "labels": out_labels, "mask": mask, "num_kv_pairs": nkv,
+            "answer_positions": positions}
 
 
 def iter_segment_batches(
@@ -479,7 +491,8 @@ def iter_segment_batches(
     Each batch is a dict of numpy arrays:
       ``inputs`` int32 ``[B, T]``, ``labels`` int32 ``[B, T]`` (``T = pad_to or L``; padding is token 0 /
       label ``-100`` on the right, which does not change a causal model's logits at real positions),
-      ``mask`` bool ``[B]`` (True on real rows), ``num_kv_pairs`` int32 ``[B]`` (N on real rows, 0 on padding).
+      ``mask`` bool ``[B]`` (True on real rows), ``num_kv_pairs`` int32 ``[B]`` (N on real rows, 0 on padding),
+      ``answer_positions`` int32 ``[B, N]`` (the labelled positions of each row, :func:`pad_batch`).
 
     With ``pad_last=True`` a partial last batch is filled up to ``batch_size`` with all-``-100`` rows (static
     shapes for jit); with ``pad_last=False`` it is yielded short (zoology's behaviour).

@@ -37,12 +37,20 @@ def init_train_state(params: dict, tx: optax.GradientTransformation) -> dict:
 def make_loss_fn(graphdef: nnx.GraphDef) -> Callable:
     """loss_fn(params, batch, dropout_key=None) -> (mean NLL, (summed NLL, token count)).
 
+    batch: {"inputs", "targets"} int [B, T], and optionally "answer_positions" int [B, K]: the only positions whose
+    targets may be scored (MQAR's answers, data.mqar.pad_batch); the logits are then computed there alone and the
+    loss equals the masked loss over all T positions, at a fraction of the head's cost.
+
     Under a mesh (sharding.under_mesh, applied by the sharded jits) the model gathers each layer's FSDP-sharded
     weights where that layer runs (sharding.gather_weights).
     """
     def loss_fn(params, batch, dropout_key=None):
         model = nnx.merge(graphdef, params)
-        nll_sum, count = masked_cross_entropy(model(batch["inputs"], dropout_key=dropout_key), batch["targets"])
+        positions, targets = batch.get("answer_positions"), batch["targets"]
+        if positions is not None:
+            targets = jnp.take_along_axis(targets, positions, axis=1)
+        logits = model(batch["inputs"], dropout_key=dropout_key, logit_positions=positions)
+        nll_sum, count = masked_cross_entropy(logits, targets)
         return nll_sum / jnp.maximum(count, 1), (nll_sum, count)
 
     return loss_fn

@@ -122,8 +122,9 @@ class LMTask:
 
 
 class _HostRows:
-    """MQAR batch -> this host's rows of ``{"inputs", "targets"}`` (the labels are the next-token targets: the label
-    at position t is the value answering the key at t)."""
+    """MQAR batch -> this host's rows of ``{"inputs", "targets", "answer_positions"}`` (the labels are the next-token
+    targets: the label at position t is the value answering the key at t; the loss scores the answer positions
+    only, steps.make_loss_fn)."""
 
     def __init__(self, slice_index: int, slice_count: int) -> None:
         self.slice_index, self.slice_count = slice_index, slice_count
@@ -131,7 +132,8 @@ class _HostRows:
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         n = batch["inputs"].shape[0] // self.slice_count
         rows = slice(self.slice_index * n, (self.slice_index + 1) * n)
-        return {"inputs": batch["inputs"][rows], "targets": batch["labels"][rows]}
+        return {"inputs": batch["inputs"][rows], "targets": batch["labels"][rows],
+                "answer_positions": batch["answer_positions"][rows]}
 
 
 class _EpochBatches:
@@ -245,9 +247,11 @@ class MQARTask:
     def make_evaluator(self, graphdef: nnx.GraphDef, params_shardings: Any, mesh: Mesh,
                        num_seeds: int) -> Evaluator:
         def scores(params, batch):
-            logits = nnx.merge(graphdef, params)(batch["inputs"])
-            nll_sum, count = masked_cross_entropy(logits, batch["targets"])
-            # argmax on the device: only [B, T] predictions leave it, not [B, T, V] logits.
+            # Logits at the N answer positions only: [B, N, V], not [B, T, V].
+            positions = batch["answer_positions"]
+            logits = nnx.merge(graphdef, params)(batch["inputs"], logit_positions=positions)
+            nll_sum, count = masked_cross_entropy(logits, jnp.take_along_axis(batch["targets"], positions, axis=1))
+            # argmax on the device: only [B, N] predictions leave it, not [B, N, V] logits.
             return jnp.argmax(logits, axis=-1).astype(jnp.int32), nll_sum, count
 
         step = _jit_eval(scores, params_shardings, mesh, num_seeds)
@@ -264,11 +268,12 @@ class MQARTask:
                 if max_batches and i == max_batches:
                     break
                 preds, nll_sum, count = jax.device_get(step(params, shd.global_batch(host_rows(batch), mesh)))
-                preds = preds.reshape((num_seeds,) + batch["labels"].shape)
+                preds = preds.reshape((num_seeds,) + batch["answer_positions"].shape)
+                labels = np.take_along_axis(batch["labels"], batch["answer_positions"], axis=1)
                 nll += np.asarray(nll_sum, np.float64).reshape(num_seeds)
                 tokens += int(np.asarray(count).reshape(-1)[0])
                 for meter, p in zip(meters, preds):
-                    meter.update(p, batch["labels"], batch["num_kv_pairs"])
+                    meter.update(p, labels, batch["num_kv_pairs"])
             per_seed = [m.compute() for m in meters]
             out: dict[str, Any] = {k: np.array([m[k] for m in per_seed]) for k in per_seed[0]}
             out["valid/loss"] = nll / max(tokens, 1)  # token mean of the masked CE over the split
