@@ -387,7 +387,8 @@ def report(results: dict[str, dict[str, Any]], out: Path, command: str, target_p
                    f"validation accuracy reaches {SOLVED_LEVEL:g}, the first to reach it, else the highest validation "
                    "accuracy at the selected checkpoints (experiments.reports.select_lr); its test accuracy at the "
                    "selected checkpoints is the cell's result.", "",
-                   markdown_table(chosen, [("level", "level"), ("protocol", "protocol"), ("variant", "variant"),
+                   # lr as %g: the table's 3 decimals would print zoology's 1e-4 and 4.6e-4 both as 0.000
+                   markdown_table([dict(c, lr=f"{c['lr']:g}") for c in chosen], [("level", "level"), ("protocol", "protocol"), ("variant", "variant"),
                                            ("width", "width"), ("lr", "lr chosen"),
                                            ("selected_validation_mean", "valid acc at selected (mean)"),
                                            ("test_accuracy_mean", "test acc (mean)"), ("test_accuracy_std", "± std"),
