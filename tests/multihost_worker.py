@@ -1,8 +1,7 @@
 """One process of a multi-process (or single-process) CPU training run, for tests/test_multihost.py.
 
-    python tests/multihost_worker.py --phase train  --workdir DIR --local-devices 2 --mesh 1,2,2
+    python tests/multihost_worker.py --phase train  --workdir DIR --local-devices 2 --mesh 1,2,2 [--eval-mesh 1,1,4]
     python tests/multihost_worker.py --phase resume --workdir DIR --local-devices 2 --mesh 1,2,2
-    python tests/multihost_worker.py --phase eval   --workdir DIR --local-devices 2 --mesh 1,1,4
 
 The cluster comes from COUPLED_QK_COORDINATOR / COUPLED_QK_NUM_PROCESSES / COUPLED_QK_PROCESS_ID (read by
 coupled_qk_jax.distributed); unset means a single process. It trains a tiny coupled_euler LM with the project's own
@@ -10,8 +9,9 @@ pieces (steps.py, optimizer.py, sharding.py) and orbax:
 
   train:  steps 1..N, an orbax multi-host checkpoint after step --save-at, then on to N.
   resume: restore the checkpoint into this mesh's shardings, check the step, train --save-at+1..N.
-  eval:   training.evaluate.evaluate_tokens of the initial params over a fixed token stream (each host reads the
-          windows of its batch slice); prints `EVAL <loss float.hex> <scored tokens>`.
+  --eval-mesh (train only, before training; the same processes, so no second cluster start-up):
+          training.evaluate.evaluate_tokens of the initial params on that mesh over a fixed token stream (each host
+          reads the windows of its batch slice); prints `EVAL <loss float.hex> <scored tokens>`.
 
 Each process builds the same global batch for step s from a seeded generator and feeds only its own rows
 (sharding.process_batch_slice) to sharding.global_batch, exactly as a data loader on each host would. Every process
@@ -31,10 +31,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--phase", choices=("train", "resume", "eval"), required=True)
+    p.add_argument("--phase", choices=("train", "resume"), required=True)
     p.add_argument("--workdir", required=True, help="absolute; shared by all processes")
     p.add_argument("--local-devices", type=int, default=2, help="fake CPU devices in this process")
     p.add_argument("--mesh", default="1,2,2", help="data,fsdp,tensor")
+    p.add_argument("--eval-mesh", default="", help="data,fsdp,tensor of an evaluation before training (train only)")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--save-at", type=int, default=3)
     p.add_argument("--batch", type=int, default=8, help="global batch")
@@ -87,18 +88,16 @@ def main(argv=None) -> int:
         mine = tokens[index * rows:(index + 1) * rows]  # this host's rows only
         return shd.global_batch({"inputs": mine[:, :-1], "targets": mine[:, 1:]}, mesh)
 
-    if args.phase == "eval":
+    if args.eval_mesh:
         from coupled_qk_jax.training.evaluate import evaluate_tokens
 
+        eval_mesh = shd.make_mesh(dict(zip(shd.MESH_AXES, map(int, args.eval_mesh.split(",")))))
+        eval_shardings = shd.train_state_shardings(model, tx, host_state, eval_mesh)["params"]
         tokens = np.random.default_rng(99).integers(0, cfg.vocab_size, 1000).astype(np.int32)
-        params = jax.device_put(params, shardings["params"])
-        eval_step = shd.jit_sharded(steps.make_eval_step(graphdef), mesh, shardings["params"])
-        result = evaluate_tokens(eval_step, params, tokens, 16, args.batch, mesh, bos_id=0)
+        eval_step = shd.jit_sharded(steps.make_eval_step(graphdef), eval_mesh, eval_shardings)
+        result = evaluate_tokens(eval_step, jax.device_put(params, eval_shardings), tokens, 16, args.batch, eval_mesh,
+                                 bos_id=0)
         print(f"EVAL {float(result['loss']).hex()} {result['tokens']}", flush=True)
-        print(f"DONE {jax.process_index()} {jax.process_count()} {jax.device_count()}", flush=True)
-        if multi:
-            jax.distributed.shutdown()
-        return 0
 
     ckpt_dir = os.path.join(os.path.abspath(args.workdir), "ckpt")
     mngr = ocp.CheckpointManager(ckpt_dir, options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True))

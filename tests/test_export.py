@@ -15,6 +15,7 @@ import shutil
 
 import numpy as np
 import pytest
+from flax import nnx
 
 from coupled_qk_jax.data.corpora import CorpusSpec, iter_documents
 from coupled_qk_jax.data.tokenizer import BPETokenizer
@@ -77,7 +78,8 @@ def test_export_then_load_gives_identical_logits(run):
     assert manifest["config"]["model"] == cfg.model.to_dict()
 
     tokens = np.asarray(tokenizer.encode("alpha beta gamma delta epsilon zeta eta theta iota kappa")[None, :24])
-    np.testing.assert_array_equal(np.asarray(model(tokens)), np.asarray(reference(tokens)))
+    forward = nnx.jit(lambda m, t: m(t))  # jitted: cheaper than op by op
+    np.testing.assert_array_equal(np.asarray(forward(model, tokens)), np.asarray(forward(reference, tokens)))
     original = BPETokenizer.load(tmp / "pretrained.json")
     text = "omega psi chi phi\n# file 3\n"
     assert tokenizer.vocab_size == TOKENIZER_VOCAB and list(tokenizer.encode(text)) == list(original.encode(text))

@@ -6,7 +6,7 @@ its KV cache, or the host values of its parameters. Each variant is one tiny mod
 64 so that tensor=2 divides it, one layer; the cache test's model has two), one batch of three prompts of different
 lengths (three rows on a data x fsdp = 4 mesh: one padding row) and five new tokens: four compilations per
 variant, which is most of what this file costs. A trained run opened with Run.open(dir, mesh=...) and generating
-on the mesh (sample.py's path) is checked by tests/scripts/run_portability.py (test_run.py), on its 8-device run.
+on the mesh (sample.py's path) is checked by test_run.py::test_runs_trained_on_8_devices_read_alike_on_1_and_2.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """A real 2-process run on localhost: jax.distributed (gloo CPU collectives), 2 CPU devices per process, a
 (data=1, fsdp=2, tensor=2) mesh whose fsdp axis spans the two processes. It trains 5 steps with an orbax multi-host
 checkpoint at step 3, then two fresh processes resume from it; every loss must equal, bit for bit, the loss of a
-1-process run on 4 devices with the same mesh shape.
+1-process run on 4 devices with the same mesh shape. The training processes first evaluate on a mesh whose tensor
+axis spans the processes.
 
 The processes are started with subprocess.Popen (tests/multihost_worker.py) and joined with a timeout; stragglers
 are killed in `finally`. Plus the pure parts of coupled_qk_jax.distributed (argument / environment resolution).
@@ -35,8 +36,8 @@ def _env(local_devices: int, cluster: dict[str, str]) -> dict[str, str]:
     return env
 
 
-def launch(phase: str, workdir: pathlib.Path, n_processes: int, local_devices: int,
-           mesh: str = "1,2,2") -> list[subprocess.Popen]:
+def launch(phase: str, workdir: pathlib.Path, n_processes: int, local_devices: int, mesh: str = "1,2,2",
+           eval_mesh: str = "") -> list[subprocess.Popen]:
     """Start one run: n_processes workers (a coordinator on a free localhost port when n_processes > 1)."""
     procs = []
     port = None
@@ -49,7 +50,7 @@ def launch(phase: str, workdir: pathlib.Path, n_processes: int, local_devices: i
             cluster = {distributed.ENV_COORDINATOR: f"127.0.0.1:{port}",
                        distributed.ENV_NUM_PROCESSES: str(n_processes), distributed.ENV_PROCESS_ID: str(pid)}
         cmd = [sys.executable, str(WORKER), "--phase", phase, "--workdir", str(workdir.absolute()),
-               "--local-devices", str(local_devices), "--mesh", mesh]
+               "--local-devices", str(local_devices), "--mesh", mesh, "--eval-mesh", eval_mesh]
         procs.append(subprocess.Popen(cmd, cwd=ROOT, env=_env(local_devices, cluster), stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))
     return procs
@@ -87,10 +88,22 @@ def done(out: str) -> tuple[int, int, int]:
     return tuple(int(x) for x in line[-1].split()[1:])
 
 
+def eval_result(out: str) -> tuple[float, int]:
+    line = [x for x in out.splitlines() if x.startswith("EVAL ")]
+    assert line, out[-4000:]
+    loss, tokens = line[-1].split()[1:]
+    return float.fromhex(loss), int(tokens)
+
+
 def test_two_process_train_checkpoint_resume_equals_one_process(tmp_path):
-    single = launch("train", tmp_path / "single", n_processes=1, local_devices=4)
+    """Training (mesh 1,2,2: fsdp across the processes), checkpoint, resume; and first, in the same processes, an
+    evaluation on a (data=1, fsdp=1, tensor=4) mesh. There the tensor axis spans the processes, so both hold the same
+    batch rows and must feed the same windows (sharding.process_batch_slice gives both slice 0 of 1). Handing windows
+    out by process index instead would score each host's different windows as the same rows: a different loss and
+    half the tokens. Reference: 1 process x 4 devices, same mesh shapes."""
+    single = launch("train", tmp_path / "single", n_processes=1, local_devices=4, eval_mesh="1,1,4")
     try:
-        two = join(launch("train", tmp_path / "multi", n_processes=2, local_devices=2))
+        two = join(launch("train", tmp_path / "multi", n_processes=2, local_devices=2, eval_mesh="1,1,4"))
     finally:
         one = join(single)[0]
     resumed = join(launch("resume", tmp_path / "multi", n_processes=2, local_devices=2))
@@ -113,85 +126,14 @@ def test_two_process_train_checkpoint_resume_equals_one_process(tmp_path):
         assert exported(out) == (digest, "False")
     assert (tmp_path / "multi" / "ckpt" / "3").is_dir()
 
-
-def test_two_process_eval_with_tensor_across_processes_equals_one_process(tmp_path):
-    """Evaluation on a (data=1, fsdp=1, tensor=4) mesh over 2 processes x 2 devices: the tensor axis spans the
-    processes, so both hold the same batch rows and must feed the same windows (sharding.process_batch_slice gives
-    both slice 0 of 1). Handing windows out by process index instead would score each host's different windows as
-    the same rows: a different loss and half the tokens. Reference: 1 process x 4 devices, same mesh shape."""
-    single = launch("eval", tmp_path / "single", n_processes=1, local_devices=4, mesh="1,1,4")
-    try:
-        two = join(launch("eval", tmp_path / "multi", n_processes=2, local_devices=2, mesh="1,1,4"))
-    finally:
-        one = join(single)[0]
-
-    def result(out: str) -> tuple[float, int]:
-        line = [x for x in out.splitlines() if x.startswith("EVAL ")]
-        assert line, out[-4000:]
-        loss, tokens = line[-1].split()[1:]
-        return float.fromhex(loss), int(tokens)
-
-    ref_loss, ref_tokens = result(one)
+    ref_loss, ref_tokens = eval_result(one)
     assert ref_tokens == 1000  # every token of the stream scored exactly once (bos_id given)
     for out in two:
-        loss, tokens = result(out)
+        loss, tokens = eval_result(out)
         assert tokens == ref_tokens
         assert loss == pytest.approx(ref_loss, rel=1e-6)
+    assert not [o for o in resumed if "EVAL " in o]  # the positive control: only the phase asked evaluates
 
-
-# ------------------------------------------------------------------------------------------ argument resolution
-def test_plan_single_process_by_default():
-    assert distributed.plan_distributed(env={}).mode == "none"
-    assert distributed.plan_distributed(env={distributed.ENV_NUM_PROCESSES: "1"}).mode == "none"
-    assert distributed.plan_distributed(env={"COUPLED_QK_DISTRIBUTED": "off", "SLURM_JOB_ID": "1"}).mode == "none"
-
-
-def test_plan_precedence_arguments_then_ours_then_jax():
-    env = {distributed.ENV_COORDINATOR: "10.0.0.1:1234", distributed.ENV_NUM_PROCESSES: "4",
-           distributed.ENV_PROCESS_ID: "2", "JAX_COORDINATOR_ADDRESS": "10.9.9.9:1", "JAX_NUM_PROCESSES": "9",
-           "JAX_PROCESS_ID": "8", distributed.ENV_LOCAL_DEVICE_IDS: "0,1"}
-    plan = distributed.plan_distributed(env=env)
-    assert (plan.mode, plan.coordinator_address, plan.num_processes, plan.process_id, plan.local_device_ids) == \
-        ("explicit", "10.0.0.1:1234", 4, 2, (0, 1))
-    plan = distributed.plan_distributed(process_id=3, env=env)
-    assert plan.process_id == 3
-    jax_only = {k: v for k, v in env.items() if k.startswith("JAX_")}
-    jax_only["JAX_PROCESS_ID"] = "5"
-    plan = distributed.plan_distributed(env=jax_only)
-    assert (plan.coordinator_address, plan.num_processes, plan.process_id) == ("10.9.9.9:1", 9, 5)
-
-
-def test_plan_auto_detection():
-    assert distributed.plan_distributed(env={"COUPLED_QK_DISTRIBUTED": "auto"}).mode == "auto"
-    slurm = {"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "n[1-2]", "SLURM_NTASKS": "2"}
-    assert distributed.plan_distributed(env=slurm).mode == "auto"
-    assert distributed.plan_distributed(env={**slurm, "SLURM_NTASKS": "1"}).mode == "none"
-    assert distributed.plan_distributed(env={"OMPI_MCA_orte_hnp_uri": "x", "OMPI_COMM_WORLD_SIZE": "4"}).mode == "auto"
-
-
-@pytest.mark.parametrize("env,match", [
-    ({distributed.ENV_NUM_PROCESSES: "2", distributed.ENV_PROCESS_ID: "0"}, "coordinator address"),
-    ({distributed.ENV_NUM_PROCESSES: "2", distributed.ENV_COORDINATOR: "h:1"}, "process id"),
-    ({distributed.ENV_NUM_PROCESSES: "2", distributed.ENV_COORDINATOR: "h:1", distributed.ENV_PROCESS_ID: "2"},
-     r"process_id must be in \[0, 2\)"),
-    ({distributed.ENV_NUM_PROCESSES: "two"}, "COUPLED_QK_NUM_PROCESSES must be an integer"),
-    ({distributed.ENV_NUM_PROCESSES: "2", distributed.ENV_COORDINATOR: "host", distributed.ENV_PROCESS_ID: "0"},
-     "host:port"),
-    ({distributed.ENV_COORDINATOR: "h:1"}, "without the process count"),
-    ({"COUPLED_QK_DISTRIBUTED": "yes"}, "COUPLED_QK_DISTRIBUTED must be"),
-])
-def test_plan_errors_name_the_field(env, match):
-    with pytest.raises(ValueError, match=match):
-        distributed.plan_distributed(env=env)
-
-
-def test_initialize_is_a_no_op_for_one_process(monkeypatch):
-    for name in (distributed.ENV_COORDINATOR, distributed.ENV_NUM_PROCESSES, distributed.ENV_PROCESS_ID,
-                 "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "SLURM_JOB_ID",
-                 "OMPI_MCA_orte_hnp_uri"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(distributed, "_on_cloud_tpu", lambda: False)
-    assert distributed.initialize_distributed() is False
     assert distributed.initialize_distributed(num_processes=1) is False
 
 

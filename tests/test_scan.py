@@ -95,8 +95,9 @@ def test_scanned_equals_unscanned_with_remat_shared_coupling_and_dropout(extra):
 def test_collect_is_per_layer_in_both_layouts():
     """Diagnostics (collect=True) get a list of per-layer dicts from the scan too, equal to the loop's."""
     g0, g1, p0, batch = pair(ModelConfig(variant="coupled_euler+differential", **TINY))
-    out0 = nnx.merge(g0, p0)(batch["inputs"], collect=True)
-    out1 = nnx.merge(g1, to_scanned(p0))(batch["inputs"], collect=True)
+    # jitted: op-by-op dispatch of the two forwards costs more than compiling them
+    out0 = jax.jit(lambda p, x: nnx.merge(g0, p)(x, collect=True))(p0, batch["inputs"])
+    out1 = jax.jit(lambda p, x: nnx.merge(g1, p)(x, collect=True))(to_scanned(p0), batch["inputs"])
     np.testing.assert_allclose(out1[0], out0[0], rtol=RTOL, atol=1e-6)
     assert len(out1[1]) == len(out0[1]) == TINY["n_layers"]
     for a, b in zip(out0[1], out1[1]):
