@@ -68,7 +68,7 @@ def cell_progress(workdir: Path) -> dict[str, Any] | None:
            "lr": cfg["train"]["lr"], "status": status, "step": reached, "steps": steps}
     if run["task"] == "mqar":
         spe = int(cfg["mqar"]["steps_per_epoch"])
-        evals = [r for r in rows if "valid/accuracy" in r]
+        evals = reports.one_row_per_step([r for r in rows if "valid/accuracy" in r])
         epochs = [int(r["step"]) // spe for r in evals]
         acc = [_seeds(r, "valid/accuracy") for r in evals]
         n = len(acc[0]) if acc else 0

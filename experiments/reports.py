@@ -247,6 +247,13 @@ MQAR_COLUMNS = [("level", "level"), ("run", "run"), ("variant", "variant"), ("ep
                 ("valid_loss_mean", "valid loss"), ("train_seconds", "wall s (all seeds)")]
 
 
+def one_row_per_step(evals: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The evaluation rows of an MQAR run, one per step: a run that stops early (solved, or a plateau) evaluates the
+    whole validation split again at its last step, which the periodic evaluation at that step has just scored, so
+    metrics.jsonl holds that point twice. The later row is kept."""
+    return [r for i, r in enumerate(evals) if i + 1 == len(evals) or evals[i + 1]["step"] != r["step"]]
+
+
 def write_curves(path: Path, results: dict[str, dict[str, Any]]) -> None:
     with open(path, "w", newline="") as f:
         w = csv.writer(f)

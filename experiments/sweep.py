@@ -396,7 +396,7 @@ def load_cell(run: Run, workdir: Path) -> dict[str, Any]:
                    eval_steps=[r["step"] for r in evals], eval_loss=[_per_seed(r, "val_loss") for r in evals],
                    eval_wall=[wall_at(r["step"]) for r in evals])
     else:
-        evals = [r for r in rows if "valid/accuracy" in r]
+        evals = reports.one_row_per_step([r for r in rows if "valid/accuracy" in r])
         spe = summary["steps_per_epoch"]
         selected = json.loads((workdir / "test_selected.json").read_text())
         rec.update(level=summary["level"], protocol=summary.get("protocol", "cpu"), width=spec["config"]["model"]["d_model"],

@@ -246,3 +246,14 @@ def test_select_lr_reads_validation_only_by_hand():
             cell(1e-3, None, 0.9, 0.9, "mlp_only")]  # one lr only: nothing to choose
     chosen = {r["variant"]: r["lr"] for r in reports.select_lr(rows)}
     assert chosen == {"standard": 3e-2, "coupled_euler": 1e-3}
+
+
+def test_mqar_records_hold_one_evaluation_per_step():
+    """A run stopped at epoch 3 logs the periodic evaluation and the final whole-split one at the same step (as the
+    committed zoology table at 7845f13 showed, lr=0.01's epoch 3 twice); the record keeps one, the later, and
+    every other step as it is."""
+    rows = [{"step": 196, "valid/accuracy": 0.20}, {"step": 392, "valid/accuracy": 0.35},
+            {"step": 588, "valid/accuracy": 0.99, "n": 1}, {"step": 588, "valid/accuracy": 0.99, "n": 2}]
+    assert reports.one_row_per_step(rows) == [rows[0], rows[1], rows[3]]
+    assert reports.one_row_per_step(rows[:3]) == rows[:3]  # nothing repeated: nothing dropped
+    assert reports.one_row_per_step([]) == []
