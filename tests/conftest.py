@@ -7,9 +7,13 @@ starts, and its compilation-cache settings when it is imported).
   session a lane's test is the lane's reports of it, replayed (pass, fail with the lane's traceback, skip, and its
   durations), and none of its fixtures run there, so ``pytest -k``, ``-x`` and the durations table treat lane tests
   like any other.
-- Two compile-time switches, FAST_COMPILE_FLAGS, for every program the session builds. They change LLVM's code
-  generation only: the HLO passes, sharding, collectives and buffer assignment (hence memory_analysis) are those of
-  a default compile, and every comparison inside a test is between programs compiled alike.
+- Compile-time switches, FAST_COMPILE_FLAGS, for every program the session builds (compilation is most of the
+  suite's CPU time). LLVM's optimisations off, and on jaxlib 0.10 the CPU compiler's legacy loop emitters instead
+  of its MLIR fusion emitters (3.5x less compile CPU for the tests' gradient programs; jaxlib 0.11 removed the
+  switch, and an unknown flag in XLA_FLAGS aborts the process, hence the version test). The legacy emitters fuse
+  a little differently (a tiny train step: 480 fusions against 522, temp buffers within 1.5%), so no test reads
+  memory_analysis; sharding and collectives are the partitioner's, unchanged, and every comparison inside a test
+  is between programs compiled alike.
 - The persistent compilation cache goes to a fresh temporary directory for the session, never the user's
   ~/.cache/coupled_qk_jax/xla, and keeps every program (minimum compile time 0, where JAX's default of 1 s would
   keep almost none of the tests' small programs): equal programs built by different jit objects (every
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -29,14 +34,24 @@ import time
 
 import pytest
 
-FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+
+def _jaxlib_version() -> tuple[int, ...]:
+    from importlib.metadata import version  # noqa: PLC0415 - jax itself must not be imported yet
+
+    return tuple(int(part) for part in re.findall(r"\d+", version("jaxlib"))[:2])
+
+
+FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true" + (
+    " --xla_cpu_use_fusion_emitters=false" if _jaxlib_version() < (0, 11) else "")
 MESH_DEVICES = 8
 # The second one-device lane: whole modules, so that their module- and session-scoped fixtures (the shared all-variant
 # gradient programs of test_model, test_scan, test_precision) are built once, in that lane. Chosen by measured time
-# (CI at 628a7e0, then a clean clone at a471766 whose main session ran 838 s against 724 s here, so test_lowering
-# and test_qkov_bridge moved): these take about as long as what stays in the main session beside the mesh lane.
-SECOND_LANE_MODULES = ("test_attention.py", "test_dynamics.py", "test_generate.py", "test_lowering.py",
-                       "test_model.py", "test_precision.py", "test_qkov_bridge.py", "test_scan.py")
+# (last: a clean clone at this file's fusion-emitter switch, main session 314 s against 265 s and 244 s for the
+# lanes, so test_early_stop and test_qkov moved): these take about as long as what stays in the main session beside
+# the mesh lane.
+SECOND_LANE_MODULES = ("test_attention.py", "test_dynamics.py", "test_early_stop.py", "test_generate.py",
+                       "test_lowering.py", "test_model.py", "test_precision.py", "test_qkov.py", "test_qkov_bridge.py",
+                       "test_scan.py")
 # Set in a lane subprocess: where it appends one JSON line per finished test, and its device count.
 _LANE_RESULTS_ENV = "COUPLED_QK_JAX_TEST_LANE_RESULTS"
 _LANE_DEVICES_ENV = "COUPLED_QK_JAX_TEST_LANE_DEVICES"
