@@ -11,7 +11,8 @@ starts, and its compilation-cache settings when it is imported).
   suite's CPU time). LLVM's optimisations off, and on jaxlib 0.10 the CPU compiler's legacy loop emitters instead
   of its MLIR fusion emitters (3.5x less compile CPU for the tests' gradient programs; jaxlib 0.11 removed the
   switch, and an unknown flag in XLA_FLAGS aborts the process, hence the version test). The legacy emitters fuse
-  a little differently (a tiny train step: 480 fusions against 522, temp buffers within 1.5%), so no test reads
+  a little differently (tests/programs.py's coupled_leapfrog+differential gradient program: 480 fusions against 522; temp buffers
+  within 1.5%), so no test reads
   memory_analysis; sharding and collectives are the partitioner's, unchanged, and every comparison inside a test
   is between programs compiled alike.
 - The persistent compilation cache goes to a fresh temporary directory for the session, never the user's
@@ -46,7 +47,7 @@ FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expe
 MESH_DEVICES = 8
 # The second one-device lane: whole modules, so that their module- and session-scoped fixtures (the shared all-variant
 # gradient programs of test_model, test_scan, test_precision) are built once, in that lane. Chosen by measured time
-# (last: a clean clone at this file's fusion-emitter switch, main session 314 s against 265 s and 244 s for the
+# (last: an idle in-tree run with the fusion-emitter switch, main session 314 s against 265 s and 244 s for the
 # lanes, so test_early_stop and test_qkov moved): these take about as long as what stays in the main session beside
 # the mesh lane.
 SECOND_LANE_MODULES = ("test_attention.py", "test_dynamics.py", "test_early_stop.py", "test_generate.py",

@@ -44,10 +44,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    # Before JAX starts its CPU backend: the device count is read once. The test passes its session's XLA_FLAGS
-    # (tests/conftest.py: this device count and its compile-time switches, alike in every run compared); run by
-    # hand, the device count alone.
-    os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={args.local_devices}")
+    # Before JAX starts its CPU backend: the device count is read once. The other flags are kept: the test passes
+    # its session's compile-time switches (tests/conftest.py), alike in every run compared.
+    kept = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform")]
+    os.environ["XLA_FLAGS"] = " ".join([f"--xla_force_host_platform_device_count={args.local_devices}", *kept])
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
     from coupled_qk_jax.distributed import initialize_distributed
