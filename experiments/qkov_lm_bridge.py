@@ -55,6 +55,7 @@ import numpy as np
 
 from coupled_qk_jax import diagnostics as diag
 from coupled_qk_jax.qkov import metrics as qm
+from coupled_qk_jax.reporting import code_commit
 from coupled_qk_jax.reporting import log as _log
 from coupled_qk_jax.reporting import mean_std as _ms
 from coupled_qk_jax.reporting import write_csv
@@ -250,7 +251,8 @@ def run_cell(variant: str, qk_mult: float, *, workdir: str | Path, scale: str, s
             "qk_mult_coupling": bool(qk_mult_coupling), "scale": scale, "steps": steps, "seeds": seeds,
             "corpus": summary["corpus"], "tokenizer": tokenizer, "seq_len": seq_len, "batch_size": batch,
             "tau_att": tau_att, "tau_conf": tau_conf, "diag_sequences": len(batches) * batch,
-            "train_cfg": cfg.train.to_dict(), "training": training, "final_ppl": final_ppl, "diagnostics": per_seed}
+            "train_cfg": cfg.train.to_dict(), "training": training, "final_ppl": final_ppl, "diagnostics": per_seed,
+            "commit": code_commit()}
 
 
 def per_seed_rows(cells: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -365,7 +367,10 @@ def report(cells: Sequence[Mapping[str, Any]], out: Path, command: str,
              f"{'on' if c0['qk_mult_coupling'] else 'off'}. Validation perplexity over the whole validation split "
              f"({c0['training']['eval_tokens']:,} tokens). Attention diagnostics on {c0['diag_sequences']} held-out "
              f"validation windows, averaged over layers; tau_att {c0['tau_att']}, tau_conf {c0['tau_conf']}. "
-             "Mean ± sample std over seeds.", ""]
+             "Mean ± sample std over seeds.", "",
+             "Code (each cell's commit, `+dirty` = uncommitted changes to the code): "
+             + "; ".join(f"{c['variant']} ×{c['qk_lr_mult']:g}: {c.get('commit', 'not recorded')[:12]}"
+                         for c in cells) + ".", ""]
     ref_md = []
     if reference is not None:
         ref_md = ["", f"Chance reference (uniform causal attention on the same windows; "
