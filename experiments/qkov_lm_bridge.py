@@ -219,6 +219,7 @@ def run_cell(variant: str, qk_mult: float, *, workdir: str | Path, scale: str, s
              train_overrides: Mapping[str, Any] | None = None) -> dict[str, Any] | None:
     """Train one (variant, qk_lr_mult) cell for all seeds in parallel in ``workdir`` (resumed if it holds a
     checkpoint) and measure it. Returns a JSON-able dict, or None when training was stopped (SIGTERM)."""
+    commit = code_commit()  # taken before training: a checkout changed while the cell trains must not relabel it
     from coupled_qk_jax.training import loop  # noqa: PLC0415
     from coupled_qk_jax.training.run import Run as SavedRun  # noqa: PLC0415
     from experiments.sweep import Run, make_config  # noqa: PLC0415
@@ -252,7 +253,7 @@ def run_cell(variant: str, qk_mult: float, *, workdir: str | Path, scale: str, s
             "corpus": summary["corpus"], "tokenizer": tokenizer, "seq_len": seq_len, "batch_size": batch,
             "tau_att": tau_att, "tau_conf": tau_conf, "diag_sequences": len(batches) * batch,
             "train_cfg": cfg.train.to_dict(), "training": training, "final_ppl": final_ppl, "diagnostics": per_seed,
-            "commit": code_commit()}
+            "commit": commit}
 
 
 def per_seed_rows(cells: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
