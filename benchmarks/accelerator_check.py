@@ -8,7 +8,7 @@
 
 grads:     bf16 against fp32 gradients of every variant (same params and batch): per parameter leaf the cosine
            similarity and the norm ratio; a leaf fails below cosine 0.99 or off by more than 5% in norm.
-attention: attention.causal_attention with impl="cudnn" against impl="explicit", bf16, forward and gradients
+attention: kernels.attend with impl="cudnn" against impl="explicit", bf16, forward and gradients
            (softmax and the differential mix); on a machine without cuDNN it records that and compares "xla".
 pallas:    the Pallas GPU (Triton) kernel (impl="pallas", issue 25.5) timed against cuDNN and the explicit path:
            forward + backward median ms and the error against the explicit path, for bf16 softmax (cuDNN's case),
@@ -39,8 +39,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from coupled_qk_jax import sharding as shd  # noqa: E402
-from coupled_qk_jax.attention import causal_attention  # noqa: E402
+from coupled_qk_jax import kernels, sharding as shd  # noqa: E402
+from coupled_qk_jax.kernels import attend as causal_attention  # noqa: E402
 from coupled_qk_jax.config import ALL_VARIANTS, ModelConfig  # noqa: E402
 from coupled_qk_jax.model import TransformerLM  # noqa: E402
 from coupled_qk_jax.training import steps  # noqa: E402
@@ -115,11 +115,10 @@ def part_attention(small: bool) -> dict:
 
 
 def part_pallas(small: bool) -> dict:
-    from coupled_qk_jax import attention  # noqa: PLC0415
 
     b, t, h, d = (4, 1024, 8, 64) if not small else (1, 64, 2, 16)
     on_gpu = jax.default_backend() == "gpu"
-    attention.PALLAS_GPU_INTERPRET = not on_gpu  # on a CPU (--small): the same kernel, interpreted
+    kernels.gpu.INTERPRET = not on_gpu  # on a CPU (--small): the same kernel, interpreted
     keys = jax.random.split(jax.random.key(0), 4)
     lam = jnp.float32(0.3)
     mix = jnp.tile(jnp.stack([jnp.ones_like(lam), -lam]), h // 2)

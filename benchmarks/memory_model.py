@@ -70,7 +70,7 @@ from flax import nnx  # noqa: E402
 from configs import lm  # noqa: E402
 from coupled_qk_jax import sharding as shd  # noqa: E402
 from coupled_qk_jax.config import DYNAMICS_METHOD, ModelConfig  # noqa: E402
-from coupled_qk_jax.attention import auto_chunks  # noqa: E402
+from coupled_qk_jax.kernels import auto_chunks  # noqa: E402
 from coupled_qk_jax.model import TransformerLM, abstract_param_count  # noqa: E402
 from coupled_qk_jax.training.config import TrainConfig  # noqa: E402
 

@@ -81,7 +81,7 @@ class ModelConfig:
     # size stop growing with depth, and FSDP gathers one layer's weights at a time. False: a Python loop of blocks.
     scan_layers: bool = False
     # "auto": cuDNN on GPU (bf16/fp16, no mix), else the Pallas kernel on GPU (a mix or float32) and on TPU, else
-    # explicit | "explicit" | "xla" | "cudnn" | "pallas" (attention.choose_implementation)
+    # explicit | "explicit" | "xla" | "cudnn" | "pallas" (kernels.choose_implementation)
     attention_impl: str = "auto"
     attention_chunks: int = 0  # query blocks of the explicit causal path; 0 = auto (about T/64, at most 8)
     init_std: float = 0.02

@@ -173,18 +173,33 @@ class Generator:
             raise ValueError(f"cache_size must be in 1..model.max_len={cfg.max_len}, got {cache_size}")
         self.graphdef, self.state = nnx.split(model)
         self.mesh = shd.mesh_of(self.state)  # None: one device
+        self._jit(model)
+        if self.mesh is not None:  # the params in the layout of the rules table (Run.open(mesh=) put them there)
+            self.state = jax.device_put(nnx.to_pure_dict(self.state), self._param_shardings)
+
+    @classmethod
+    def for_mesh(cls, abstract_model: TransformerLM, mesh: Mesh) -> "Generator":
+        """A Generator with no parameters, whose prefill and decode step are jitted for `mesh` (they take the
+        parameters as an argument): what an ahead-of-time compile lowers (coupled_qk_jax.aot)."""
+        gen = cls.__new__(cls)
+        gen.cfg, gen.vocab_limit, gen.cache_size = abstract_model.cfg, abstract_model.cfg.vocab_size, \
+            abstract_model.cfg.max_len
+        gen.graphdef, gen.state, gen.mesh = nnx.graphdef(abstract_model), None, mesh
+        gen._jit(abstract_model)
+        return gen
+
+    def _jit(self, model: TransformerLM) -> None:
+        """The jitted prefill and decode step (and the cache's constructor) for self.mesh."""
         if self.mesh is None:
             self._prefill = jax.jit(self._prefill_impl, static_argnames=("sampling",))
             self._decode = jax.jit(self._decode_impl, static_argnames=("sampling",), donate_argnames=("cache",))
             return
         # Every input and output placed explicitly, so one compilation serves every step: left to XLA, the cache
-        # could come back from a step in another layout and force a reshard (or a recompile) on the next. The
-        # params go in the layout of the rules table, where Run.open(mesh=) already put them (device_put: no copy).
-        mesh = self.mesh
-        params = shd.named_shardings(shd.param_specs(model, mesh), mesh)
-        self.state = jax.device_put(nnx.to_pure_dict(self.state), params)
+        # could come back from a step in another layout and force a reshard (or a recompile) on the next.
+        mesh, cfg = self.mesh, self.cfg
+        params = self._param_shardings = shd.named_shardings(shd.param_specs(model, mesh), mesh)
         rows, rep = NamedSharding(mesh, P(shd.BATCH_AXES)), shd.replicated(mesh)  # [B] tokens / positions
-        cache = dict.fromkeys(("k", "v"), cache_sharding(cfg, mesh))
+        cache = self.cache_shardings = dict.fromkeys(("k", "v"), cache_sharding(cfg, mesh))
         self._prefill = jax.jit(shd.under_mesh(self._prefill_impl, mesh), static_argnames=("sampling",),
                                 in_shardings=(params, cache, rows, rows, rep), out_shardings=(rows, cache))
         self._decode = jax.jit(shd.under_mesh(self._decode_impl, mesh), static_argnames=("sampling",),

@@ -191,7 +191,7 @@ def compute_spec(spec: P, gathered: tuple[str, ...] = ("fsdp",)) -> P:
     return P(*out)
 
 
-def _context_mesh():
+def context_mesh():
     """The mesh in context (`under_mesh`, jax.set_mesh) if it is one of ours, else None."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or not set(MESH_AXES) <= set(mesh.axis_names):
@@ -202,7 +202,7 @@ def _context_mesh():
 def constrain(x: jax.Array, logical_axes: tuple) -> jax.Array:
     """with_sharding_constraint of an activation to its logical axes (e.g. ("batch", "length",
     "activation_embed") for the residual stream) under the mesh in context; the identity without one."""
-    mesh = _context_mesh()
+    mesh = context_mesh()
     if mesh is None:
         return x
     return jax.lax.with_sharding_constraint(x, logical_to_spec(tuple(logical_axes), x.shape, mesh))
@@ -210,7 +210,7 @@ def constrain(x: jax.Array, logical_axes: tuple) -> jax.Array:
 
 def fsdp_gathers() -> bool:
     """Whether the mesh in context splits weights over fsdp, i.e. whether `gather_weight` gathers anything."""
-    mesh = _context_mesh()
+    mesh = context_mesh()
     return mesh is not None and mesh.shape["fsdp"] > 1
 
 
@@ -225,7 +225,7 @@ def gather_weight(var: nnx.Variable, name: str = "a parameter") -> jax.Array:
     value = var.get_value()
     if not fsdp_gathers():
         return value
-    mesh = _context_mesh()
+    mesh = context_mesh()
     axes = tuple(var.get_metadata().get("logical_axes") or (None,) * value.ndim)
     if len(axes) == value.ndim + 1 and axes[0] == "layers":
         axes = axes[1:]

@@ -1,4 +1,4 @@
-"""The one causal attention kernel (attention.causal_attention) against float64 numpy, at sequence lengths that use
+"""The one causal attention kernel (kernels.attend) against float64 numpy, at sequence lengths that use
 the default multi-block explicit path; the fused forms (XLA, Pallas TPU flash in interpret mode) against it; and the
 kernel choice per platform."""
 
@@ -9,12 +9,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from coupled_qk_jax import attention
-from coupled_qk_jax.attention import auto_chunks, choose_implementation
+from coupled_qk_jax import attention, kernels
+from coupled_qk_jax.kernels import auto_chunks, choose_implementation
 from coupled_qk_jax.config import ALL_VARIANTS, ModelConfig
 
 B, H, D = 2, 4, 8
-causal_attention = jax.jit(attention.causal_attention, static_argnames=("impl", "n_chunks", "return_weights"))
+causal_attention = jax.jit(kernels.attend, static_argnames=("impl", "n_chunks", "return_weights"))
 
 
 def qkv(t, g=H, dv=D, seed=0, b=B, h=H):
@@ -75,7 +75,7 @@ def test_explicit_multi_block_gradients():
     def loss(fn):
         return jax.jit(jax.grad(lambda q, k, v, mix: jnp.sum(fn(q, k, v, mix) * cot), argnums=(0, 1, 2, 3)))
 
-    got = loss(attention.causal_attention)(q, k, v, MIX)
+    got = loss(kernels.attend)(q, k, v, MIX)
     ref = loss(full_square)(q, k, v, MIX)
     for a, b in zip(got, ref):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
@@ -88,17 +88,18 @@ def test_fused_xla_form_matches_explicit():
                                    rtol=1e-5, atol=1e-5)
 
 
-def test_pallas_tpu_flash_in_interpret_mode_matches_explicit():
+def test_pallas_tpu_flash_in_interpret_mode_matches_explicit(monkeypatch):
     """The TPU kernel itself, run by Pallas' TPU interpreter on CPU: forward and gradients of one differential head
     (the mix over 2 half-heads, as 4 virtual heads of the plain softmax kernel) at T = 128 (one Pallas block)."""
     from jax.experimental.pallas import tpu as pltpu
 
+    monkeypatch.setattr(kernels.tpu, "PREFERRED", "flash")  # splash: the mesh test below
     q, k, v = qkv(128, 1, 2 * D, seed=3, b=1, h=2)
     mix = MIX[:2]
     cot = jax.random.normal(jax.random.key(8), (1, 128, 1, 2 * D))
 
     def loss(impl):
-        return lambda q, k, v, mix: jnp.sum(attention.causal_attention(q, k, v, mix, impl=impl) * cot)
+        return lambda q, k, v, mix: jnp.sum(kernels.attend(q, k, v, mix, impl=impl) * cot)
 
     with pltpu.force_tpu_interpret_mode():  # jitted: the interpreter's op-by-op dispatch costs more than compiling
         out, grads = jax.jit(jax.value_and_grad(loss("pallas"), argnums=(0, 1, 2, 3)))(q, k, v, mix)
@@ -144,7 +145,7 @@ def test_unavailable_kernel_falls_back_with_a_warning():
     with pytest.warns(UserWarning, match=r"with a mix\); falling back"):
         assert choose_implementation("cudnn", jnp.bfloat16, 64, 256, "gpu", mix=True) == "explicit"
     with pytest.raises(ValueError, match="mix must have shape"):
-        attention.causal_attention(jnp.zeros((1, 8, H, D)), jnp.zeros((1, 8, H, D)), jnp.zeros((1, 8, H // 2, D)),
+        kernels.attend(jnp.zeros((1, 8, H, D)), jnp.zeros((1, 8, H, D)), jnp.zeros((1, 8, H // 2, D)),
                                    jnp.ones(3))
 
 
@@ -152,7 +153,7 @@ def test_auto_on_cpu_is_the_explicit_kernel_with_no_tpu_branch_left():
     """impl='auto' at T = 128 picks per lowering platform (platform_dependent): the CPU program must be the explicit
     kernel alone, the Pallas TPU branch dropped and no conditional left."""
     q, k, v = qkv(128, seed=4)
-    auto = jax.jit(lambda q, k, v: attention.causal_attention(q, k, v, impl="auto"))
+    auto = jax.jit(lambda q, k, v: kernels.attend(q, k, v, impl="auto"))
     hlo = auto.lower(q, k, v).compile().as_text()
     assert not re.search(r"\bconditional\(", hlo) and "tpu_custom_call" not in hlo
     np.testing.assert_allclose(auto(q, k, v), np_attention(q, k, v)[0], rtol=2e-5, atol=2e-5)
@@ -190,7 +191,7 @@ def test_pallas_gpu_kernel_in_interpret_mode_matches_explicit_with_and_without_a
 
         return jax.jit(lambda: [one(v) for v in variants])
 
-    monkeypatch.setattr(attention, "PALLAS_GPU_INTERPRET", True)
+    monkeypatch.setattr(kernels.gpu, "INTERPRET", True)
     fused, explicit = layer_grads("pallas"), layer_grads("explicit")
     assert (fused.lower().as_text().count("stablehlo.while")
             >= explicit.lower().as_text().count("stablehlo.while") + 3 * len(variants))  # kernel fwd, dq, dk/dv
@@ -199,3 +200,49 @@ def test_pallas_gpu_kernel_in_interpret_mode_matches_explicit_with_and_without_a
         for (path, g), w in zip(jax.tree_util.tree_flatten_with_path(gg)[0], jax.tree.leaves(gw)):
             np.testing.assert_allclose(g, w, rtol=2e-4, atol=2e-4 * float(jnp.max(jnp.abs(w))),
                                        err_msg=f"{variant} {jax.tree_util.keystr(path)}")
+
+
+@pytest.mark.mesh
+@pytest.mark.parametrize("kernel", ["tpu", "gpu"])
+def test_fused_kernels_under_shard_map_on_an_8_device_mesh_match_the_float64_reference(monkeypatch, kernel):
+    """The fused kernels as a pod runs them: under shard_map on a (2, 2, 2) mesh of 8 CPU devices (batch rows over
+    data x fsdp, heads over tensor), in Pallas' interpreter (splash for TPU, Triton's for GPU). Loss and gradients
+    against float64 numpy, and the gradients against the explicit path's on the same mesh, for standard attention,
+    coupled Euler dynamics in front of it (the gradient flows through the shard_map into the dynamics), and
+    Differential Attention's mix (a pair's two half-heads on one device)."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from coupled_qk_jax import dynamics, sharding as shd
+
+    monkeypatch.setattr(kernels.tpu, "INTERPRET", True)
+    monkeypatch.setattr(kernels.gpu, "INTERPRET", kernel == "gpu")
+    mesh = shd.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    heads = NamedSharding(mesh, P(shd.BATCH_AXES, None, "tensor", None))
+    t, d = 128, 16
+    ks = jax.random.split(jax.random.key(7), 6)
+    q, k = (jax.random.normal(key, (4, t, H, d)) for key in ks[:2])
+    v_plain, v_pairs = jax.random.normal(ks[2], (4, t, H, d)), jax.random.normal(ks[3], (4, t, H // 2, 2 * d))
+    mlp = {"w1": 0.3 * jax.random.normal(ks[4], (d, 8)), "b1": jnp.zeros(8),
+           "w2": 0.3 * jax.random.normal(ks[5], (8, d)), "b2": jnp.zeros(d)}
+    dt = jnp.full((H,), 0.1)
+    cases = {"standard": (v_plain, None, False), "coupled_euler": (v_plain, None, True),
+             "differential": (v_pairs, MIX, False)}
+    for name, (v, mix, coupled) in cases.items():
+        cot = jax.random.normal(jax.random.key(9), v.shape)
+        args = [jax.device_put(a, heads) for a in (q, k, v, cot)]
+
+        def loss(impl, mix=mix, coupled=coupled):
+            def fn(q, k, v, cot):
+                if coupled:
+                    q, k = dynamics.evolve_heads_batched(q, k, dt, mlp, 1, "euler")
+                return jnp.sum(kernels.attend(q, k, v, mix, impl) * cot)
+            return jax.jit(jax.value_and_grad(shd.under_mesh(fn, mesh), argnums=(0, 1, 2)))
+
+        fused = loss("pallas")
+        assert fused.lower(*args).as_text().count("sdy.manual_computation") >= 2, name  # forward, backward
+        (value, grads), (_, ref_grads) = fused(*args), loss("explicit")(*args)
+        q_in, k_in = (q, k) if not coupled else dynamics.evolve_heads_batched(q, k, dt, mlp, 1, "euler")
+        expected = np.sum(np_attention(q_in, k_in, v, mix)[0] * np.asarray(cot, np.float64))
+        np.testing.assert_allclose(value, expected, rtol=1e-4, err_msg=name)
+        for got, want in zip(grads, ref_grads):
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4, err_msg=name)

@@ -77,3 +77,27 @@ def test_train_step_exports_for_every_variant(platform):
             assert mosaic == 0 and triton == 0, (variant, triton)
     if platform == "cuda":  # float32 softmax: no cuDNN (bf16/fp16 only), the Pallas GPU kernel
         assert exported_train_step("standard", "cuda", "float32").mlir_module().count(triton_target()) >= 3
+
+
+@pytest.mark.mesh
+@pytest.mark.parametrize("variant,dtype", [("coupled_euler+differential", "bfloat16"), ("standard", "float32")])
+def test_cuda_train_step_on_an_8_device_mesh_runs_its_triton_kernels_under_shard_map(variant, dtype):
+    """The sharded train step lowered for CUDA on a (2, 2, 2) mesh of the lane's 8 CPU devices: XLA cannot
+    partition a Triton custom call, so each must sit inside a manual (shard_map) region, where every GPU attends
+    over its own batch rows and heads."""
+    from coupled_qk_jax import aot, sharding as shd
+    from coupled_qk_jax.training import run as run_lib
+
+    cfg = ModelConfig(variant=variant, vocab_size=128, max_len=T, d_model=64, n_layers=1, n_heads=4, d_ff=128,
+                      coupling_hidden=16, affine_hidden=16, dtype=dtype)
+    mesh = shd.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    layout = run_lib.state_layout(cfg, TRAIN, [0], mesh)
+    step = steps.make_train_step(layout.graphdef, layout.tx)
+    jitted = shd.jit_sharded(lambda state, batch: step(state, batch, jax.random.key(0)), mesh, layout.shardings,
+                             donate=True)
+    state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), layout.abstract_state,
+                         layout.shardings)
+    tokens = jax.ShapeDtypeStruct((8, T), jnp.int32, sharding=shd.batch_sharding(mesh))
+    lowered = jitted.trace(state, {"inputs": tokens, "targets": tokens}).lower(lowering_platforms=("cuda",))
+    inside, total = aot.kernel_calls(lowered, triton_target())
+    assert total >= 3 and inside == total, (variant, inside, total)  # forward, backward preprocessing, dQ/dK/dV

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from coupled_qk_jax import attention
+from coupled_qk_jax import attention, kernels
 from coupled_qk_jax.config import ALL_VARIANTS, ModelConfig
 from coupled_qk_jax.model import to_scanned, to_unscanned
 from coupled_qk_jax.precision import add_bias
@@ -124,7 +124,7 @@ def test_differential_lambda_gradient_matches_float64_through_every_kernel():
     def grad(impl):
         def loss(lam):
             mix = jnp.tile(jnp.stack([jnp.ones_like(lam), -lam]), 2)
-            o = attention.causal_attention(q, k, v, mix, impl)
+            o = kernels.attend(q, k, v, mix, impl)
             assert o.dtype == jnp.float32
             return jnp.sum(attention.rms_norm(o, jnp.ones(16), 1e-5) * cot)
         return float(jax.jit(jax.grad(loss))(jnp.float32(0.35)))
@@ -139,14 +139,14 @@ def test_differential_lambda_gradient_matches_float64_through_the_pallas_gpu_ker
     """Issue 25.5: the same λ gradient through the Pallas GPU kernel (interpret mode; head dim 16, its minimum, and
     T = 64, one block), from bf16 q, k, v with small scores (A1 ≈ A2): the kernel gets float32 operands and returns
     float32 per-head outputs, so it is within 5e-4 of float64, as the other fused kernels are."""
-    monkeypatch.setattr(attention, "PALLAS_GPU_INTERPRET", True)
+    monkeypatch.setattr(kernels.gpu, "INTERPRET", True)
     ks = jax.random.split(jax.random.key(1), 4)
     q, k = ((0.1 * jax.random.normal(kk, (2, 64, 4, 16))).astype(jnp.bfloat16) for kk in ks[:2])
     v = jax.random.normal(ks[2], (2, 64, 2, 32)).astype(jnp.bfloat16)
     cot = jax.random.normal(ks[3], (2, 64, 2, 32))
 
     def loss(lam):
-        o = attention.causal_attention(q, k, v, jnp.tile(jnp.stack([jnp.ones_like(lam), -lam]), 2), "pallas")
+        o = kernels.attend(q, k, v, jnp.tile(jnp.stack([jnp.ones_like(lam), -lam]), 2), "pallas")
         assert o.dtype == jnp.float32
         return jnp.sum(attention.rms_norm(o, jnp.ones(32), 1e-5) * cot)
 

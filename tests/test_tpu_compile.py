@@ -1,0 +1,97 @@
+"""The pod path, compiled for real: libtpu's TPU compiler (Mosaic included), run on this CPU host for the devices of a
+real v5e 2x2 topology (jax.experimental.topologies), compiles the project's sharded steps on multi-chip meshes.
+
+Every variant's train step compiles in bf16 and float32, the three meshes (4,1,1), (2,1,2) and (1,2,2) each covering
+both dtypes and both scorings; the eval and decode steps compile for two variants. Each program must hold its Pallas
+kernels (Mosaic custom calls: forward, and the backward's dQ and dK/dV), every one of them inside a manual
+(shard_map) region: XLA cannot partition a Mosaic kernel, and before the kernels ran under shard_map no multi-chip
+program compiled at all. Shapes are tiny (one layer, d_model 64, T = 128, one kernel block) so that a compile costs
+a few seconds.
+
+libtpu is an optional extra (`pip install "jax[tpu]==<jax version>"`); without it these tests skip, except under CI
+(the CI variable set), where a missing libtpu fails them: .ci/run installs it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from coupled_qk_jax import aot
+from coupled_qk_jax.config import ALL_VARIANTS, ModelConfig
+from coupled_qk_jax.errors import UserError
+from coupled_qk_jax.training.config import DataConfig, MeshConfig, RunConfig, TrainConfig
+
+T = 128
+MESHES = ((4, 1, 1), (2, 1, 2), (1, 2, 2))
+DTYPES = ("bfloat16", "float32")
+
+
+@pytest.fixture(scope="module")
+def v5e_2x2():
+    if not aot.libtpu_installed():
+        if os.environ.get("CI"):
+            pytest.fail("libtpu is missing: CI must install it (pip install \"jax[tpu]==<jax version>\")")
+        pytest.skip("libtpu is not installed (pip install \"jax[tpu]==<jax version>\")")
+    devices = aot.topology_devices("v5e:2x2")
+    assert len(devices) == 4 and {d.platform for d in devices} == {"tpu"}
+    return devices
+
+
+def run_config(variant: str, dtype: str, mesh: tuple[int, int, int], n_heads: int = 4) -> RunConfig:
+    model = ModelConfig(variant=variant, vocab_size=128, max_len=T, d_model=64, n_layers=1, n_heads=n_heads,
+                        d_ff=128, coupling_hidden=16, affine_hidden=16, dtype=dtype)
+    return RunConfig(model=model, data=DataConfig(seq_len=T), train=TrainConfig(batch_size=8, steps=10,
+                                                                               warmup_steps=2),
+                     mesh=MeshConfig(*mesh))
+
+
+# Each variant in both dtypes; the mesh turns with the variant and the dtype, so that every mesh meets both dtypes,
+# both scorings and every QK transform.
+CASES = [(variant, dtype, MESHES[(i + j) % len(MESHES)])
+         for i, variant in enumerate(ALL_VARIANTS) for j, dtype in enumerate(DTYPES)]
+
+
+def test_cases_cover_every_mesh_with_both_dtypes_and_scorings():
+    for mesh in MESHES:
+        here = [(v, d) for v, d, m in CASES if m == mesh]
+        assert {d for _, d in here} == set(DTYPES)
+        assert {v.endswith("differential") for v, _ in here} == {True, False}
+
+
+@pytest.mark.parametrize("variant,dtype,mesh", CASES, ids=[f"{v}-{d}-{'x'.join(map(str, m))}" for v, d, m in CASES])
+def test_train_step_compiles_for_a_v5e_2x2_with_its_kernels_under_shard_map(v5e_2x2, variant, dtype, mesh):
+    result = aot.compile_steps(run_config(variant, dtype, mesh), v5e_2x2, steps=("train",))
+    (train,) = result["steps"]
+    assert train.kernels >= 3, (variant, train.kernels)  # forward, dQ, dK/dV
+    assert train.kernels_in_manual == train.kernels
+    # The gradients of the replicated weights are summed over the data-parallel chips: the program really is
+    # partitioned over the mesh.
+    assert train.collectives["all-reduce"] >= 1
+    assert 0 < train.total_bytes < aot.hbm_bytes("v5e:2x2")
+
+
+@pytest.mark.parametrize("variant,mesh", [("standard", (2, 1, 2)), ("coupled_euler+differential", (1, 2, 2))])
+def test_eval_and_decode_steps_compile(v5e_2x2, variant, mesh):
+    result = aot.compile_steps(run_config(variant, "bfloat16", mesh), v5e_2x2, steps=("eval", "decode"))
+    evaluate, decode = result["steps"]
+    assert evaluate.kernels >= 1 and evaluate.kernels_in_manual == evaluate.kernels
+    # Cached decoding scores one new token against the cache: the explicit path, no kernel.
+    assert decode.kernels == 0 and decode.total_bytes > 0
+
+
+def test_a_tensor_axis_that_would_split_a_differential_pair_is_one_line(v5e_2x2):
+    # Two half-heads, one pair: tensor=2 would put its halves on two chips.
+    with pytest.raises(UserError, match=r"mesh.tensor=2 would split Differential Attention's 1 head pairs"):
+        aot.compile_steps(run_config("differential", "bfloat16", (2, 1, 2), n_heads=2), v5e_2x2, steps=("train",))
+
+
+def test_a_config_that_does_not_fit_names_the_overshoot_and_the_levers():
+    report = aot.StepReport("train", 1.0, 10 * aot.GIB, 8 * aot.GIB, 10 * aot.GIB, 10 * aot.GIB, 0, 0.0, 0.0, None,
+                            {}, 0, 0)
+    assert report.total_bytes == 18 * aot.GIB  # outputs aliased to their inputs take no memory of their own
+    message = aot.fit_error(report, aot.hbm_bytes("v5e:4x4"), "v5e")
+    assert "18.00 GiB per chip, 2.00 GiB more than a v5e chip's 16 GiB" in message
+    assert "fsdp" in message and "remat" in message and "batch_size" in message
+    assert aot.fit_error(report, aot.hbm_bytes("v5p:4x4x4"), "v5p") is None
