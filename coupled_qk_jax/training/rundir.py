@@ -48,7 +48,7 @@ HELD_OUT_SPLITS = ("validation", "test")
 
 # Fields that change no result: free to differ on resume and in eval.py's --config.
 RUNTIME_FIELDS = frozenset({"data.cache_dir", "data.num_threads", "mesh.data", "mesh.fsdp", "mesh.tensor",
-                            "checkpoint.async_save", "train.stop_after"})
+                            "mesh.dcn_data", "mesh.dcn_fsdp", "checkpoint.async_save", "train.stop_after"})
 # Where the data is, not what it is: checked through the data fingerprint instead of by value.
 FINGERPRINTED_FIELDS = frozenset({"data.corpus", "data.tokenizer_path"})
 # Fields added to the configs after runs existed, with the value that means what those runs did: a run whose
@@ -58,7 +58,9 @@ ADDED_FIELDS = {"train.early_stop.metric": "", "train.early_stop.mode": "max", "
                 "train.schedule_every": 1,
                 # MQAR runs from before the validation split: the CPU levels and one fixed training order. They had no
                 # validation segment (their "validation" was the test segment); 0 = the level's own size now.
-                "mqar.protocol": "cpu", "mqar.shuffle": False, "mqar.num_valid": 0}
+                "mqar.protocol": "cpu", "mqar.shuffle": False, "mqar.num_valid": 0,
+                # Runs from before multi-slice meshes: one slice.
+                "mesh.dcn_data": 1, "mesh.dcn_fsdp": 1}
 # Fields the code no longer has, with their last default: a run that used it is read (resumed, evaluated) as if the
 # field had never existed; a run that set another value is refused (this version cannot reproduce its results).
 REMOVED_FIELDS = {"model.coupling_lowering": "batched"}  # removed in ab94b09 (one lowering of f over heads)
