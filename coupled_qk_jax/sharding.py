@@ -371,13 +371,19 @@ def host_batch_rows(mesh: Mesh, process_index: int, global_batch_size: int) -> n
     if global_batch_size < 1 or global_batch_size % n_batch:
         raise UserError(f"the batch of {global_batch_size} rows is not divisible by the mesh's {n_batch} "
                         "data-parallel devices (mesh.data * mesh.fsdp); change the batch size or the mesh")
+    return np.asarray(_host_rows(mesh, int(process_index), int(global_batch_size)), dtype=np.int64)
+
+
+@functools.lru_cache(maxsize=64)
+def _host_rows(mesh: Mesh, process_index: int, global_batch_size: int) -> tuple[int, ...]:
+    """host_batch_rows' rows as a tuple, cached: global_batch asks for them at every step."""
     rows: set[int] = set()
     for device, index in batch_sharding(mesh).devices_indices_map((global_batch_size, 1)).items():
         if device.process_index == process_index:
             rows.update(range(*index[0].indices(global_batch_size)))
     if not rows:
         raise ValueError(f"process {process_index} has no device in the mesh")
-    return np.asarray(sorted(rows), dtype=np.int64)
+    return tuple(sorted(rows))
 
 
 def global_batch(local_batch: Mapping[str, np.ndarray], mesh: Mesh, seed_axis: bool = False) -> dict:

@@ -153,7 +153,9 @@ def test_mesh_config_has_one_slice_by_default_and_old_runs_read_so():
     from coupled_qk_jax.training.config import MeshConfig  # noqa: PLC0415
 
     assert MeshConfig().sizes() == {"data": -1, "fsdp": 1, "tensor": 1, "dcn_data": 1, "dcn_fsdp": 1}
-    assert rundir.ADDED_FIELDS["mesh.dcn_data"] == 1 and rundir.ADDED_FIELDS["mesh.dcn_fsdp"] == 1
+    # A config.json from before the fields: one slice, and no note (a layout field says nothing about the results).
+    upgraded, notes = rundir.upgrade_config({"mesh": {"data": -1, "fsdp": 2, "tensor": 1}})
+    assert upgraded == {"mesh": {"data": -1, "fsdp": 2, "tensor": 1, "dcn_data": 1, "dcn_fsdp": 1}} and notes == []
     with pytest.raises(UserError, match=r"^mesh.dcn_data must be >= 1, got 0$"):
         MeshConfig(dcn_data=0)
 

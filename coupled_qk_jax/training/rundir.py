@@ -270,7 +270,8 @@ def upgrade_config(saved: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     """A config.json of any schema version -> ``(this version's config dict, notes)``, without the version key.
 
     * A field this code added (:data:`ADDED_FIELDS`, or a ``ModelConfig`` field) that the run lacks takes the value
-      that means what the run did, noted as "X: not in this run, using default Y".
+      that means what the run did, noted as "X: not in this run, using default Y" (unless it is a
+      :data:`RUNTIME_FIELDS` one, e.g. the mesh's slices).
     * A field this code removed (:data:`REMOVED_FIELDS`) is dropped with a note if the run held its last default;
       any other value is a UserError (the run's results would differ under this code).
     * A run written by a newer schema than this code reads is a UserError.
@@ -298,7 +299,8 @@ def upgrade_config(saved: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     for name, value in added.items():
         if name.split(".")[0] in saved and name not in flat:
             flat[name] = value
-            notes.append(f"{name}: not in this run, using default {value!r}")
+            if name not in RUNTIME_FIELDS:  # how a run is laid out on devices says nothing about what it did
+                notes.append(f"{name}: not in this run, using default {value!r}")
     return _unflatten(flat), notes
 
 
