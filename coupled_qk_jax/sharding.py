@@ -363,7 +363,7 @@ def host_batch_rows(mesh: Mesh, process_index: int, global_batch_size: int) -> n
 
     This is what that process's data loader must read, and the order :func:`global_batch` expects its rows in. On a
     TPU pod a host's rows need not be one block (jax.make_mesh orders devices by their ICI position, not by host):
-    on v5e-16 with a pure data-parallel mesh, two of the four hosts hold two blocks each. Works for any process of
+    on v5e-16 with a pure data-parallel mesh, two of the four hosts hold several blocks. Works for any process of
     the mesh, not only this one (device by device, from each device's process_index). A batch that the mesh's
     data*fsdp devices cannot split evenly is a UserError.
     """
