@@ -21,8 +21,8 @@ per block, so inside the layer scan one layer's weights are gathered at a time.
 
 `constrain` and `gather_weights` act only while a mesh is in context (`under_mesh`, which `jit_sharded` applies): without one (a single device, tests of the maths) they are the identity.
 
-Multi-host: `global_batch` turns each host's slice of the batch into one global `jax.Array`;
-`process_batch_slice` says which slice a host must load (see docs/scaling.md).
+Multi-host: `host_batch_rows` says which rows of the global batch a host must load (any set of rows, not only
+one block), and `global_batch` turns each host's rows into one global `jax.Array` (see docs/scaling.md).
 """
 
 from __future__ import annotations
@@ -67,9 +67,33 @@ COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "collective-permute
 
 
 # --------------------------------------------------------------------------------------------------------------- mesh
+DCN_AXES = ("dcn_data", "dcn_fsdp")  # the multi-slice factors of data and fsdp (config keys; default 1)
+
+
+def dcn_shape(mesh_cfg: Mapping[str, int]) -> tuple[int, int, int]:
+    """(dcn_data, dcn_fsdp, 1): how many slices the data and fsdp axes span (`mesh.dcn_data/dcn_fsdp`, default 1;
+    tensor never crosses the data-centre network)."""
+    sizes = []
+    for axis in DCN_AXES:
+        value = mesh_cfg.get(axis, 1)
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise UserError(f"mesh.{axis} must be an integer >= 1 (the slices that axis spans), got {value!r}")
+        sizes.append(int(value))
+    return sizes[0], sizes[1], 1
+
+
 def mesh_shape(mesh_cfg: Mapping[str, int], n_devices: int | None = None) -> tuple[int, int, int]:
-    """Resolve (data, fsdp, tensor) sizes from `mesh.data/fsdp/tensor`; one of them may be -1 (fill)."""
+    """Resolve the (data, fsdp, tensor) mesh shape from `mesh.data/fsdp/tensor`; one of them may be -1 (fill).
+
+    With `mesh.dcn_data/dcn_fsdp` > 1 (a multi-slice run) data/fsdp/tensor are the sizes within one slice, -1
+    fills one slice's devices, and the result is the whole mesh: (dcn_data*data, dcn_fsdp*fsdp, tensor).
+    """
     n = n_devices or jax.device_count()
+    dcn = dcn_shape(mesh_cfg)
+    slices = dcn[0] * dcn[1]
+    if n % slices:
+        raise UserError(f"mesh: {n} devices cannot form mesh.dcn_data*mesh.dcn_fsdp = {slices} equal slices")
+    n //= slices
     sizes = []
     for axis in MESH_AXES:
         if axis not in mesh_cfg:
@@ -83,14 +107,15 @@ def mesh_shape(mesh_cfg: Mapping[str, int], n_devices: int | None = None) -> tup
     for axis, s in zip(MESH_AXES, sizes):
         if s == 0 or s < -1:
             raise ValueError(f"mesh.{axis} must be >= 1 or -1, got {s}")
+    per_slice = " per slice" if slices > 1 else ""
     known = int(np.prod([s for s in sizes if s != -1]))
     if -1 in sizes:
         if n % known:
-            raise ValueError(f"mesh: {n} devices are not divisible by the fixed axes' product {known}")
+            raise ValueError(f"mesh: {n} devices{per_slice} are not divisible by the fixed axes' product {known}")
         sizes[sizes.index(-1)] = n // known
     if int(np.prod(sizes)) != n:
-        raise ValueError(f"mesh: data*fsdp*tensor = {int(np.prod(sizes))} but there are {n} devices")
-    return tuple(sizes)
+        raise ValueError(f"mesh: data*fsdp*tensor = {int(np.prod(sizes))} but there are {n} devices{per_slice}")
+    return tuple(d * s for d, s in zip(dcn, sizes))
 
 
 def make_mesh(mesh_cfg: Mapping[str, int], devices=None) -> Mesh:
@@ -99,10 +124,30 @@ def make_mesh(mesh_cfg: Mapping[str, int], devices=None) -> Mesh:
     jax.make_mesh defaults to Explicit axes on jax >= 0.10, where gathers and einsums need `out_sharding=`; Auto lets
     XLA propagate shardings through the unannotated model. jax.make_mesh also orders devices so that the last
     (tensor) axis is the fastest-varying, i.e. tensor groups sit inside one host / one ICI neighbourhood.
+
+    Multi-slice (`mesh.dcn_data` or `mesh.dcn_fsdp` > 1): the devices are grouped by their `slice_index` with
+    mesh_utils.create_hybrid_device_mesh, MaxText style: the slice is the outer factor of the data (fsdp) axis, so
+    data index i lies in slice i // data, and only the gradient reduction of those axes crosses the data-centre
+    network. The axes keep their names, so the rules table and the batch sharding are the same as on one slice.
     """
     devices = list(devices if devices is not None else jax.devices())
     shape = mesh_shape(mesh_cfg, len(devices))
-    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
+    dcn = dcn_shape(mesh_cfg)
+    axis_types = (AxisType.Auto,) * len(MESH_AXES)
+    if dcn == (1, 1, 1):
+        return jax.make_mesh(shape, MESH_AXES, axis_types=axis_types, devices=devices)
+    from jax.experimental import mesh_utils  # noqa: PLC0415 - multi-slice runs only
+
+    slices = sorted({getattr(d, "slice_index", None) for d in devices}, key=str)
+    if None in slices:
+        raise UserError(f"mesh.dcn_data*mesh.dcn_fsdp = {dcn[0] * dcn[1]} slices, but the devices carry no "
+                        "slice_index (not a multi-slice TPU run); leave mesh.dcn_data and mesh.dcn_fsdp at 1")
+    if len(slices) != dcn[0] * dcn[1]:
+        raise UserError(f"mesh.dcn_data*mesh.dcn_fsdp = {dcn[0] * dcn[1]} but the devices span {len(slices)} "
+                        f"slice(s); set them so that their product is {len(slices)}")
+    per_slice = tuple(s // d for s, d in zip(shape, dcn))
+    grid = mesh_utils.create_hybrid_device_mesh(per_slice, dcn, devices=devices)
+    return Mesh(grid, MESH_AXES, axis_types=axis_types)
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
@@ -312,42 +357,67 @@ def batch_sharding(mesh: Mesh, seed_axis: bool = False) -> NamedSharding:
     return NamedSharding(mesh, P(*((None,) if seed_axis else ()), BATCH_AXES, None))
 
 
-def process_batch_slice(mesh: Mesh, global_batch_size: int | None = None) -> tuple[int, int]:
-    """(slice index, slice count): this process must load rows [index·B/count, (index+1)·B/count) of the batch.
+def host_batch_rows(mesh: Mesh, process_index: int, global_batch_size: int) -> np.ndarray:
+    """The rows of a [global_batch_size, ...] batch in :func:`batch_sharding` that process `process_index`'s devices
+    hold: int64 [n], ascending, each row once (devices that replicate a row, over tensor, share it).
 
-    Usually (jax.process_index(), jax.process_count()). They differ when the batch axes do not span the processes
-    one-to-one, e.g. a tensor axis across hosts: processes that hold the same batch rows get the same index and must
-    load the same data (pass them to the data layer's make_train_iterator as process_index / process_count).
+    This is what that process's data loader must read, and the order :func:`global_batch` expects its rows in. On a
+    TPU pod a host's rows need not be one block (jax.make_mesh orders devices by their ICI position, not by host):
+    on v5e-16 with a pure data-parallel mesh, two of the four hosts hold several blocks. Works for any process of
+    the mesh, not only this one (device by device, from each device's process_index). A batch that the mesh's
+    data*fsdp devices cannot split evenly is a UserError.
     """
     n_batch = mesh.shape["data"] * mesh.shape["fsdp"]
-    b = global_batch_size or n_batch
-    if b % n_batch:
-        raise ValueError(f"batch size {b} is not divisible by mesh.data*mesh.fsdp = {n_batch}")
-    rows = set()
-    for idx in batch_sharding(mesh).addressable_devices_indices_map((b, 1)).values():
-        rows.update(range(*idx[0].indices(b)))
-    start, stop = min(rows), max(rows) + 1
-    if len(rows) != stop - start or b % (stop - start):
-        raise ValueError(f"this process's batch rows {sorted(rows)} are not one contiguous equal slice; "
-                         "choose a mesh whose data/fsdp axes split evenly across hosts")
-    return start // (stop - start), b // (stop - start)
+    if global_batch_size < 1 or global_batch_size % n_batch:
+        raise UserError(f"the batch of {global_batch_size} rows is not divisible by the mesh's {n_batch} "
+                        "data-parallel devices (mesh.data * mesh.fsdp); change the batch size or the mesh")
+    return np.asarray(_host_rows(mesh, int(process_index), int(global_batch_size)), dtype=np.int64)
+
+
+@functools.lru_cache(maxsize=64)
+def _host_rows(mesh: Mesh, process_index: int, global_batch_size: int) -> tuple[int, ...]:
+    """host_batch_rows' rows as a tuple, cached: global_batch asks for them at every step."""
+    rows: set[int] = set()
+    for device, index in batch_sharding(mesh).devices_indices_map((global_batch_size, 1)).items():
+        if device.process_index == process_index:
+            rows.update(range(*index[0].indices(global_batch_size)))
+    if not rows:
+        raise ValueError(f"process {process_index} has no device in the mesh")
+    return tuple(sorted(rows))
 
 
 def global_batch(local_batch: Mapping[str, np.ndarray], mesh: Mesh, seed_axis: bool = False) -> dict:
-    """Assemble each host's slice ([B_local, ...] per field; [S, B_local, ...] with ``seed_axis``) into one global
-    jax.Array per field ([B, ...] / [S, B, ...]) in :func:`batch_sharding`.
+    """Assemble each host's rows ([n, ...] per field; [S, n, ...] with ``seed_axis``) into one global jax.Array per
+    field ([B, ...] / [S, B, ...]) in :func:`batch_sharding`.
 
-    Single process: the local batch is the global batch. Multi-host: every process passes the rows that
-    `process_batch_slice` assigns it; jax.make_array_from_process_local_data places them on the local devices.
+    Every process passes the rows that :func:`host_batch_rows` names for it, in that (ascending) order; with one
+    process that is the whole batch. Each local device gets its row range, found by position among the host's
+    rows, so hosts whose rows are not one block (TPU pods) are placed correctly; the same code runs on one
+    process and on many.
     """
     sharding = batch_sharding(mesh, seed_axis)
-    _, count = process_batch_slice(mesh)  # the number of distinct row slices does not depend on the batch size
-    rows = 1 if seed_axis else 0  # the axis that holds the batch rows
+    axis = 1 if seed_axis else 0  # the axis that holds the batch rows
+    n_batch = mesh.shape["data"] * mesh.shape["fsdp"]
+    # One row per row-block: how many of the n_batch blocks this host holds fixes the global batch size.
+    blocks = host_batch_rows(mesh, jax.process_index(), n_batch).size
     out = {}
     for name, value in local_batch.items():
         value = np.asarray(value)
-        global_shape = value.shape[:rows] + (value.shape[rows] * count,) + value.shape[rows + 1:]
-        out[name] = jax.make_array_from_process_local_data(sharding, value, global_shape)
+        n_local = value.shape[axis]
+        if n_local % blocks:
+            raise ValueError(f"global_batch: {name} has {n_local} rows here, not a multiple of this host's {blocks} "
+                             "row blocks (pass the rows sharding.host_batch_rows names)")
+        b = n_local // blocks * n_batch
+        global_shape = value.shape[:axis] + (b,) + value.shape[axis + 1:]
+        rows = host_batch_rows(mesh, jax.process_index(), b)
+        devices, pieces = [], []
+        for device, index in sharding.addressable_devices_indices_map(global_shape).items():
+            start, stop, _ = index[axis].indices(b)
+            at = int(np.searchsorted(rows, start))
+            devices.append(device)
+            pieces.append(value[(slice(None),) * axis + (slice(at, at + stop - start),)])
+        arrays = jax.device_put(pieces, devices)
+        out[name] = jax.make_array_from_single_device_arrays(global_shape, sharding, arrays)
     return out
 
 

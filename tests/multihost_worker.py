@@ -14,7 +14,9 @@ pieces (steps.py, optimizer.py, sharding.py) and orbax:
           reads the windows of its batch slice); prints `EVAL <loss float.hex> <scored tokens>`.
 
 Each process builds the same global batch for step s from a seeded generator and feeds only its own rows
-(sharding.process_batch_slice) to sharding.global_batch, exactly as a data loader on each host would. Every process
+(sharding.host_batch_rows) to sharding.global_batch, exactly as a data loader on each host would.
+--device-order interleaved builds the mesh over the devices taken from each process in turn (as a TPU pod's ICI
+order mixes hosts), so a process's rows are not one block. Every process
 prints `LOSS <step> <float.hex>` per step, after training `EXPORT <sha256 of export.flatten_params of the params>
 <whether a weight is fully addressable here>`, and `DONE <process> <processes> <devices>` at the end.
 """
@@ -39,6 +41,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--save-at", type=int, default=3)
     p.add_argument("--batch", type=int, default=8, help="global batch")
+    p.add_argument("--device-order", choices=("make_mesh", "interleaved"), default="make_mesh",
+                   help="the mesh's device order: jax.make_mesh's, or one device of each process in turn")
     return p.parse_args(argv)
 
 
@@ -74,18 +78,22 @@ def main(argv=None) -> int:
     tx = optimizer.make_optimizer(params, train_cfg)
     host_state = steps.init_train_state(params, tx)
 
-    mesh = shd.make_mesh(dict(zip(shd.MESH_AXES, map(int, args.mesh.split(",")))))
+    devices = jax.devices()
+    if args.device_order == "interleaved":
+        per_process = [[d for d in devices if d.process_index == p] for p in range(jax.process_count())]
+        devices = [d for turn in zip(*per_process) for d in turn]
+    mesh = shd.make_mesh(dict(zip(shd.MESH_AXES, map(int, args.mesh.split(",")))), devices)
     shardings = shd.train_state_shardings(model, tx, host_state, mesh)
     step_fn, base_key = steps.make_train_step(graphdef, tx), jax.random.key(7)
     # The key of step s is fold_in(base_key, s), derived inside the step from the state's step as the loop does.
     train_step = shd.jit_sharded(lambda state, batch: step_fn(state, batch, jax.random.fold_in(base_key, state["step"])),
                                  mesh, shardings, donate=True)
-    index, count = shd.process_batch_slice(mesh, args.batch)
-    rows = args.batch // count
+    rows = shd.host_batch_rows(mesh, jax.process_index(), args.batch)
+    print(f"ROWS {jax.process_index()} {','.join(map(str, rows))}", flush=True)
 
     def batch_for(step: int) -> dict:
         tokens = np.random.default_rng([1234, step]).integers(0, cfg.vocab_size, (args.batch, 17), dtype=np.int32)
-        mine = tokens[index * rows:(index + 1) * rows]  # this host's rows only
+        mine = tokens[rows]  # this host's rows only
         return shd.global_batch({"inputs": mine[:, :-1], "targets": mine[:, 1:]}, mesh)
 
     if args.eval_mesh:

@@ -485,20 +485,23 @@ def test_train_epoch_makes_every_token_a_target_exactly_once(n: int, seq_len: in
         assert any(r[0] == bos and t[0] == 0 for r, t in zip(rows_x[:w], rows_y[:w]))
 
 
-def test_per_host_slices_are_disjoint_and_cover_single_host():
+def test_hosts_read_their_rows_of_the_single_host_batches():
+    """Hosts whose rows of the global batch are not one block (as on TPU pods, sharding.host_batch_rows): each
+    reads exactly those rows of the single-host batch, so together they read disjoint windows covering the epoch."""
     tokens = np.arange(4001, dtype=np.int32)
     seq_len, windows = 25, num_windows(4001, 25)  # 160 windows
-    single = make_train_iterator(tokens, seq_len, 4, seed=7)
-    hosts = [make_train_iterator(tokens, seq_len, 2, seed=7, process_index=p, process_count=2) for p in (0, 1)]
+    rows = {0: [0, 1, 4], 1: [2, 3, 5]}
+    single = make_train_iterator(tokens, seq_len, 6, seed=7)
+    hosts = {h: make_train_iterator(tokens, seq_len, 6, seed=7, rows=r) for h, r in rows.items()}
     seen = {0: [], 1: []}
-    for _ in range(windows // 4):  # exactly one epoch
+    for _ in range(windows // 6):  # one epoch, less the windows of the batch that straddles the next one
         ref = _check_windows(next(single), seq_len)
-        parts = [_check_windows(next(h), seq_len) for h in hosts]
-        seen[0] += parts[0].tolist()
-        seen[1] += parts[1].tolist()
-        assert sorted(ref.tolist()) == sorted(parts[0].tolist() + parts[1].tolist())
+        for h, it in hosts.items():
+            part = _check_windows(next(it), seq_len)
+            np.testing.assert_array_equal(part, ref[rows[h]])
+            seen[h] += part.tolist()
     assert not set(seen[0]) & set(seen[1])
-    assert sorted(seen[0] + seen[1]) == list(range(windows))
+    assert len(set(seen[0] + seen[1])) == windows // 6 * 6
 
 
 def test_iterator_state_round_trip():
@@ -555,11 +558,23 @@ def test_eval_windows_score_every_token_once(n: int, seq_len: int, batch: int, b
 
 
 def test_eval_windows_across_hosts():
+    """Three hosts holding interleaved rows of a batch of 6: the same number of batches on each, every token scored
+    once over the hosts, and row r of batch b is window 6b + r of the stream [0] + tokens."""
     tokens = np.arange(10, 1010, dtype=np.int32)
-    per_host = [list(eval_batches(tokens, 16, 4, bos_id=0, process_index=p, process_count=3)) for p in range(3)]
+    rows = [[0, 3], [1, 4], [2, 5]]
+    per_host = [list(eval_batches(tokens, 16, 6, bos_id=0, rows=r)) for r in rows]
     assert len({len(b) for b in per_host}) == 1  # same number of steps on every host
+    assert len(per_host[0]) == math.ceil(1000 / 16 / 6)
     scored = sorted(v for bs in per_host for b in bs for v in b["targets"][b["targets"] != IGNORE_INDEX].tolist())
     assert scored == tokens.tolist()
+    stream = np.concatenate([[0], tokens])
+    for r, batches in zip(rows, per_host):
+        for b, batch in enumerate(batches):
+            for i, row in enumerate(r):
+                start = (6 * b + row) * 16
+                real = stream[start:start + 16]  # the last window is padded with inputs 0
+                np.testing.assert_array_equal(batch["inputs"][i][:real.size], real)
+                assert not batch["inputs"][i][real.size:].any()
 
 
 def test_pipeline_errors():
@@ -568,8 +583,10 @@ def test_pipeline_errors():
         make_train_iterator(tokens[:1], 100, 2, seed=0)
     with pytest.raises(CorpusError, match="nothing to evaluate"):
         next(eval_batches(np.zeros(0, np.uint16), 8, 2))
-    with pytest.raises(CorpusError, match="process_index"):
-        make_train_iterator(tokens, 8, 2, seed=0, process_index=2, process_count=2)
+    with pytest.raises(CorpusError, match="rows must be ascending"):
+        make_train_iterator(tokens, 8, 2, seed=0, rows=[2])
+    with pytest.raises(CorpusError, match="rows must be ascending"):
+        next(eval_batches(tokens, 8, 4, rows=[1, 0]))
     with pytest.raises(CorpusError, match="1-D"):
         make_train_iterator(tokens.reshape(10, 10), 4, 2, seed=0)
 

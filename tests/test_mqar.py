@@ -376,7 +376,7 @@ def test_training_replays_the_batches_in_order_every_epoch():
     task = MQARTask(RunConfig.from_configdict(cfg), batch_devices=1)
     assert len(task.train) == 3
     for seed in (0, 5):
-        ds = task.train_dataset(seed, 0, 1)
+        ds = task.train_dataset(seed)
         for i in range(7):
             np.testing.assert_array_equal(ds[i]["inputs"], task.train[i % 3]["inputs"])
             np.testing.assert_array_equal(ds[i]["targets"], task.train[i % 3]["labels"])

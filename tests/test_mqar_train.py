@@ -182,7 +182,7 @@ def _order(seed, shuffle=True, epochs=2):
     cfg.mqar.update(num_train=50, num_valid=8, num_test=8, shuffle=shuffle)
     cfg.train.batch_size = 16  # 4 batches per epoch, the last one 2 rows + 14 padding rows
     task = tasks.MQARTask(RunConfig.from_configdict(cfg), batch_devices=1)
-    ds = task.train_dataset(seed, 0, 1)
+    ds = task.train_dataset(seed)
     inputs = task.train.inputs
     out = []
     for e in range(epochs):

@@ -37,7 +37,7 @@ def _env(local_devices: int, cluster: dict[str, str]) -> dict[str, str]:
 
 
 def launch(phase: str, workdir: pathlib.Path, n_processes: int, local_devices: int, mesh: str = "1,2,2",
-           eval_mesh: str = "") -> list[subprocess.Popen]:
+           eval_mesh: str = "", extra: tuple[str, ...] = ()) -> list[subprocess.Popen]:
     """Start one run: n_processes workers (a coordinator on a free localhost port when n_processes > 1)."""
     procs = []
     port = None
@@ -50,7 +50,7 @@ def launch(phase: str, workdir: pathlib.Path, n_processes: int, local_devices: i
             cluster = {distributed.ENV_COORDINATOR: f"127.0.0.1:{port}",
                        distributed.ENV_NUM_PROCESSES: str(n_processes), distributed.ENV_PROCESS_ID: str(pid)}
         cmd = [sys.executable, str(WORKER), "--phase", phase, "--workdir", str(workdir.absolute()),
-               "--local-devices", str(local_devices), "--mesh", mesh, "--eval-mesh", eval_mesh]
+               "--local-devices", str(local_devices), "--mesh", mesh, "--eval-mesh", eval_mesh, *extra]
         procs.append(subprocess.Popen(cmd, cwd=ROOT, env=_env(local_devices, cluster), stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))
     return procs
@@ -98,7 +98,7 @@ def eval_result(out: str) -> tuple[float, int]:
 def test_two_process_train_checkpoint_resume_equals_one_process(tmp_path):
     """Training (mesh 1,2,2: fsdp across the processes), checkpoint, resume; and first, in the same processes, an
     evaluation on a (data=1, fsdp=1, tensor=4) mesh. There the tensor axis spans the processes, so both hold the same
-    batch rows and must feed the same windows (sharding.process_batch_slice gives both slice 0 of 1). Handing windows
+    batch rows and must feed the same windows (sharding.host_batch_rows gives both every row). Handing windows
     out by process index instead would score each host's different windows as the same rows: a different loss and
     half the tokens. Reference: 1 process x 4 devices, same mesh shapes."""
     single = launch("train", tmp_path / "single", n_processes=1, local_devices=4, eval_mesh="1,1,4")
@@ -137,6 +137,24 @@ def test_two_process_train_checkpoint_resume_equals_one_process(tmp_path):
     assert distributed.initialize_distributed(num_processes=1) is False
 
 
+def test_two_processes_whose_rows_interleave_equal_one_process(tmp_path):
+    """A (data=4) mesh over the devices of the two processes in turn (p0, p1, p0, p1), as a TPU pod's ICI order
+    mixes hosts: each process holds two separate blocks of the batch of 8 (process 0 rows 0-1 and 4-5), loads
+    just those, and the losses are the 1-process run's, bit for bit."""
+    extra = ("--steps", "3", "--save-at", "2", "--device-order", "interleaved")
+    single = launch("train", tmp_path / "single", n_processes=1, local_devices=4, mesh="4,1,1", extra=extra)
+    try:
+        two = join(launch("train", tmp_path / "multi", n_processes=2, local_devices=2, mesh="4,1,1", extra=extra))
+    finally:
+        one = join(single)[0]
+    rows = [[line.split()[2] for line in out.splitlines() if line.startswith("ROWS ")] for out in (one, *two)]
+    assert rows == [["0,1,2,3,4,5,6,7"], ["0,1,4,5"], ["2,3,6,7"]]
+    reference = losses(one)
+    assert sorted(reference) == [1, 2, 3] and len(set(reference.values())) == 3
+    for out in two:
+        assert losses(out) == reference
+
+
 # ------------------------------------------------------------------------------------------ train.py end to end
 def _train_cmd(workdir: pathlib.Path, corpus: pathlib.Path, cache: pathlib.Path) -> list[str]:
     args = [str(ROOT / "train.py"), "--config=configs/lm.py:coupled_euler,tiny", f"--workdir={workdir}",
@@ -164,8 +182,8 @@ def _train_losses(workdir: pathlib.Path) -> dict[int, float]:
 
 def test_train_py_two_processes_matches_one_process(tmp_path):
     """`train.py` itself: 2 processes x 2 CPU devices (mesh fsdp=2 across the processes, tensor=2) vs 1 process x
-    4 devices. Each host reads its own interleaved windows, so the global batch holds the same rows in another
-    order: losses agree to fp32 summation order, not bit for bit. The two processes share one token cache
+    4 devices. Each host reads its rows of the same global batches (sharding.host_batch_rows), so the batches
+    are the 1-process run's; the losses are compared to fp32 summation order. The two processes share one token cache
     directory: process 0 tokenises into it (and says so), process 1 waits and reads it; the 1-process run, with a
     cache of its own, is the positive control for the "tokenising" line."""
     corpus = tmp_path / "corpus"

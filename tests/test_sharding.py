@@ -325,15 +325,29 @@ def test_150m_heads_on_tensor_8_is_an_error_naming_the_parameter():
     assert shd.param_specs(abstract, mesh_of((2, 1, 4)))["blocks"]["attn"]["wq"] == P(None, None, "tensor", None)
 
 
-def test_global_batch_and_process_slice_single_process():
-    mesh = mesh_of((2, 2, 2))
-    assert shd.process_batch_slice(mesh, 8) == (0, 1)
-    local = {"inputs": np.arange(8 * 4).reshape(8, 4)}
-    out = shd.global_batch(local, mesh)["inputs"]
-    assert out.shape == (8, 4) and out.sharding.spec == P(("data", "fsdp"), None)
-    np.testing.assert_array_equal(np.asarray(out), local["inputs"])
-    with pytest.raises(ValueError, match="not divisible"):
-        shd.process_batch_slice(mesh, 6)
+@pytest.mark.parametrize("order", ["make_mesh", "permuted"])
+def test_global_batch_places_every_row_on_its_devices(order):
+    """global_batch on a mesh built by make_mesh and on one whose devices are permuted (as a TPU pod's are against
+    host order): every device holds exactly its rows of the numpy batch (the sharding's own index into numpy), for
+    [B, T] batches and seed-axis [S, B, T] ones."""
+    devices = jax.devices()[:8]
+    if order == "permuted":
+        mesh = jax.sharding.Mesh(np.array([devices[i] for i in (5, 2, 7, 0, 3, 6, 1, 4)]).reshape(4, 1, 2),
+                                 shd.MESH_AXES)
+    else:
+        mesh = mesh_of((2, 2, 2))
+    x = np.arange(8 * 3, dtype=np.int32).reshape(8, 3)
+    np.testing.assert_array_equal(shd.host_batch_rows(mesh, 0, 8), np.arange(8))  # one process: every row
+    for seed_axis, value in ((False, x), (True, np.stack([x, 100 + x]))):
+        out = shd.global_batch({"inputs": value}, mesh, seed_axis=seed_axis)["inputs"]
+        assert out.shape == value.shape
+        assert out.sharding.spec == P(*((None,) if seed_axis else ()), ("data", "fsdp"), None)
+        assert {shard.device for shard in out.addressable_shards} == set(devices)
+        for shard in out.addressable_shards:
+            np.testing.assert_array_equal(np.asarray(shard.data), value[shard.index])
+        np.testing.assert_array_equal(np.asarray(out), value)
+    with pytest.raises(ValueError, match=r"^the batch of 6 rows is not divisible by the mesh's 4 data-parallel"):
+        shd.host_batch_rows(mesh, 0, 6)
 
 
 @pytest.mark.parametrize("scan", [False, True])

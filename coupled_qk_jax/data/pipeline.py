@@ -15,21 +15,23 @@ only and N - 1 tokens are targets. Window ``k`` has inputs ``stream[kT : kT+T]``
 Training (:func:`make_train_iterator`): one epoch is the W windows in a seeded random order, reshuffled every
 epoch (infinite), so **an epoch makes every token of the split a target exactly once**; the remainder is not
 dropped but trained on as the one partly padded window (the loss is a mean over scored tokens, so padding carries
-no weight). Consecutive windows form batches, so a batch may span two epochs. Per-host slicing
-``[process_index::process_count]`` of the window stream makes the hosts' streams disjoint; together they are
-exactly the single-host stream. The iterator is a ``grain.DatasetIterator``: ``get_state()/set_state()`` and
+no weight). Consecutive windows form batches, so a batch may span two epochs: row ``r`` of global batch ``i`` is
+element ``i*B + r`` of the window stream, however many hosts there are. A host reads only its ``rows`` of each
+global batch (``sharding.host_batch_rows``: any set of rows, since on a TPU pod a host's rows need not be one
+block); the hosts that hold different rows read disjoint windows, and together exactly the single-host batches.
+The iterator is a ``grain.DatasetIterator``: ``get_state()/set_state()`` and
 ``grain.checkpoint.CheckpointSave/CheckpointRestore`` (orbax) restore it exactly; :func:`train_stream_spec` is
 what a checkpoint records beside that state to refuse restoring it into a different stream.
 
 Evaluation (:func:`eval_batches`): the windows in order, so every token is predicted exactly once; the rows that
 fill the last batch are padded with IGNORE_INDEX targets, so shapes stay static (no recompile) and every host runs
-the same number of batches.
+the same number of batches. Row ``r`` of evaluation batch ``b`` is window ``b*B + r``; a host reads its ``rows``.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import grain
@@ -88,13 +90,31 @@ class _Gather:
         self.__init__(tokens, state["seq_len"], state["bos_id"])  # type: ignore[misc]
 
 
-def _check_common(tokens: np.ndarray, seq_len: int, batch_size: int, process_index: int, process_count: int) -> None:
+def _check_common(tokens: np.ndarray, seq_len: int, batch_size: int) -> None:
     if np.ndim(tokens) != 1:
         raise CorpusError(f"tokens must be a 1-D array, got shape {np.shape(tokens)}")
     if seq_len < 1 or batch_size < 1:
         raise CorpusError(f"seq_len and batch_size must be >= 1, got seq_len={seq_len} batch_size={batch_size}")
-    if process_count < 1 or not 0 <= process_index < process_count:
-        raise CorpusError(f"process_index {process_index} is not in [0, process_count={process_count})")
+
+
+def _host_rows(rows: Sequence[int] | np.ndarray | None, batch_size: int) -> np.ndarray | None:
+    """``rows`` checked (ascending, distinct, in [0, batch_size)) as int64 [n], or None when it is every row."""
+    if rows is None:
+        return None
+    r = np.asarray(rows, dtype=np.int64).reshape(-1)
+    if r.size == 0 or r[0] < 0 or r[-1] >= batch_size or np.any(np.diff(r) <= 0):
+        raise CorpusError(f"rows must be ascending distinct rows of the batch of {batch_size}, got {r.tolist()}")
+    return None if r.size == batch_size else r
+
+
+class _TakeRows:
+    """A batch of window indices [B] -> this host's rows of it [n]."""
+
+    def __init__(self, rows: np.ndarray) -> None:
+        self.rows = rows
+
+    def __call__(self, windows: np.ndarray) -> np.ndarray:
+        return np.asarray(windows)[self.rows]
 
 
 def num_windows(num_tokens: int, seq_len: int, *, bos_id: int | None = None) -> int:
@@ -103,92 +123,105 @@ def num_windows(num_tokens: int, seq_len: int, *, bos_id: int | None = None) -> 
     return math.ceil(targets / seq_len)
 
 
-def train_windows(tokens: np.ndarray, seq_len: int, seed: int, process_index: int = 0, process_count: int = 1, *,
-                  bos_id: int | None = None) -> grain.MapDataset:
-    """The infinite, seeded stream of this host's window indices (int64 scalars): element ``j`` of epoch ``e`` of
-    the single-host stream is window ``perm_e[j]``, ``perm_e`` a fresh permutation of range(W) each epoch. Exposed
-    for tests and for custom batching; most callers want :func:`make_train_iterator`."""
-    _check_common(tokens, seq_len, 1, process_index, process_count)
+def train_windows(tokens: np.ndarray, seq_len: int, seed: int, *, bos_id: int | None = None) -> grain.MapDataset:
+    """The infinite, seeded stream of window indices (int64 scalars): element ``j`` of epoch ``e`` is window
+    ``perm_e[j]``, ``perm_e`` a fresh permutation of range(W) each epoch. Exposed for tests and for custom batching;
+    most callers want :func:`make_train_iterator`."""
+    _check_common(tokens, seq_len, 1)
     n = int(tokens.shape[0])
     if n < (1 if bos_id is not None else 2):
         raise CorpusError(f"the training split has {n} token(s): nothing to train on")
-    ds = grain.MapDataset.range(num_windows(n, seq_len, bos_id=bos_id)).seed(seed).shuffle().repeat()
-    return ds[process_index::process_count]
+    return grain.MapDataset.range(num_windows(n, seq_len, bos_id=bos_id)).seed(seed).shuffle().repeat()
 
 
-def train_stream_spec(tokens: np.ndarray, seq_len: int, batch_size: int, seed: int, process_index: int = 0,
-                      process_count: int = 1, *, bos_id: int | None = None) -> dict[str, Any]:
+def train_stream_spec(tokens: np.ndarray, seq_len: int, batch_size: int, seed: int,
+                      rows: Sequence[int] | np.ndarray | None = None, *, bos_id: int | None = None) -> dict[str, Any]:
     """What determines the batch stream of :func:`make_train_iterator` besides its position: a checkpoint stores
     this beside the iterator state, and restoring into a stream with another spec is refused (the saved position
-    would silently index other windows)."""
+    would silently index other windows). ``rows`` are recorded as [start, stop) runs."""
     n = int(tokens.shape[0])
-    return {"format": "windows-v2", "split_tokens": n, "seq_len": int(seq_len), "batch_size_per_host": int(batch_size),
-            "seed": int(seed), "process_index": int(process_index), "process_count": int(process_count),
+    mine = _host_rows(rows, batch_size)
+    return {"format": "windows-v2", "split_tokens": n, "seq_len": int(seq_len), "batch_size": int(batch_size),
+            "rows": row_runs(np.arange(batch_size) if mine is None else mine), "seed": int(seed),
             "bos_id": None if bos_id is None else int(bos_id),
             "windows_per_epoch": num_windows(n, seq_len, bos_id=bos_id)}
 
 
-def train_batches(tokens: np.ndarray, seq_len: int, batch_size: int, seed: int, process_index: int = 0,
-                  process_count: int = 1, *, bos_id: int | None = None) -> grain.MapDataset:
-    """The random-access dataset behind :func:`make_train_iterator`: element ``i`` is this host's batch ``i``
-    (``{"inputs", "targets"}`` [batch_size, T] int32). The training loop stacks one per seed (``train.num_seeds``)."""
-    _check_common(tokens, seq_len, batch_size, process_index, process_count)
-    return (train_windows(tokens, seq_len, seed, process_index, process_count, bos_id=bos_id)
-            .batch(batch_size, drop_remainder=True)
-            .map(_Gather(tokens, seq_len, bos_id)))
+def row_runs(rows: Sequence[int] | np.ndarray) -> list[list[int]]:
+    """Ascending rows as [start, stop) runs: [0, 1, 2, 3, 12, 13] -> [[0, 4], [12, 14]]."""
+    r = np.asarray(rows, dtype=np.int64).reshape(-1)
+    if r.size == 0:
+        return []
+    breaks = np.flatnonzero(np.diff(r) != 1) + 1
+    return [[int(run[0]), int(run[-1]) + 1] for run in np.split(r, breaks)]
 
 
-def make_train_iterator(tokens: np.ndarray, seq_len: int, batch_size: int, seed: int, process_index: int = 0,
-                        process_count: int = 1, *, bos_id: int | None = None, num_threads: int = 2,
-                        prefetch_buffer_size: int = 8) -> grain.DatasetIterator:
+def train_batches(tokens: np.ndarray, seq_len: int, batch_size: int, seed: int,
+                  rows: Sequence[int] | np.ndarray | None = None, *, bos_id: int | None = None) -> grain.MapDataset:
+    """The random-access dataset behind :func:`make_train_iterator`: element ``i`` is this host's ``rows`` of
+    global batch ``i`` (``{"inputs", "targets"}`` [len(rows), T] int32; every row when ``rows`` is None). The
+    training loop stacks one per seed (``train.num_seeds``)."""
+    _check_common(tokens, seq_len, batch_size)
+    mine = _host_rows(rows, batch_size)
+    ds = train_windows(tokens, seq_len, seed, bos_id=bos_id).batch(batch_size, drop_remainder=True)
+    if mine is not None:
+        ds = ds.map(_TakeRows(mine))
+    return ds.map(_Gather(tokens, seq_len, bos_id))
+
+
+def make_train_iterator(tokens: np.ndarray, seq_len: int, batch_size: int, seed: int,
+                        rows: Sequence[int] | np.ndarray | None = None, *, bos_id: int | None = None,
+                        num_threads: int = 2, prefetch_buffer_size: int = 8) -> grain.DatasetIterator:
     """Infinite iterator of training batches for one host.
 
     Args:
       tokens: [N] token ids of the split (a ``TokenCache.tokens("train")`` memmap or any 1-D integer array).
       seq_len: T, the model's context length.
-      batch_size: rows per batch *on this host* (the global batch is ``batch_size * process_count``).
+      batch_size: B, rows per *global* batch (all hosts together).
       seed: same seed -> same stream; checkpoint the iterator, not the seed, to resume mid-run.
-      process_index, process_count: ``jax.process_index()``, ``jax.process_count()``.
+      rows: the rows of each global batch this host reads, ascending (``sharding.host_batch_rows``); None = all.
       bos_id: the end-of-text id to put before the split, so that all N tokens are targets (module docstring).
       num_threads, prefetch_buffer_size: grain ``ReadOptions``; each element is a whole batch, gathered with one
         vectorised index, so two threads already far exceed what a CPU-scale model consumes.
 
     Returns:
-      A ``grain.DatasetIterator`` yielding ``{"inputs": [B, T] int32, "targets": [B, T] int32}``; it supports
-      ``get_state()/set_state()`` and ``grain.checkpoint.CheckpointSave/CheckpointRestore``.
+      A ``grain.DatasetIterator`` yielding ``{"inputs": [n, T] int32, "targets": [n, T] int32}``, n = len(rows);
+      it supports ``get_state()/set_state()`` and ``grain.checkpoint.CheckpointSave/CheckpointRestore``.
     """
-    ds = train_batches(tokens, seq_len, batch_size, seed, process_index, process_count, bos_id=bos_id)
+    ds = train_batches(tokens, seq_len, batch_size, seed, rows, bos_id=bos_id)
     read = grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=prefetch_buffer_size)
     return iter(ds.to_iter_dataset(read))
 
 
-def num_eval_batches(num_tokens: int, seq_len: int, batch_size: int, *, bos_id: int | None = None,
-                     process_count: int = 1) -> int:
-    """Batches each host gets from :func:`eval_batches` (identical on every host)."""
-    windows = num_windows(num_tokens, seq_len, bos_id=bos_id)
-    return math.ceil(math.ceil(windows / process_count) / batch_size)
+def num_eval_batches(num_tokens: int, seq_len: int, batch_size: int, *, bos_id: int | None = None) -> int:
+    """Batches of ``batch_size`` global rows that :func:`eval_batches` yields (identical on every host)."""
+    return math.ceil(num_windows(num_tokens, seq_len, bos_id=bos_id) / batch_size)
 
 
 def eval_batches(tokens: np.ndarray, seq_len: int, batch_size: int, *, bos_id: int | None = None,
-                 process_index: int = 0, process_count: int = 1) -> Iterator[dict[str, np.ndarray]]:
+                 rows: Sequence[int] | np.ndarray | None = None) -> Iterator[dict[str, np.ndarray]]:
     """Deterministic evaluation batches: strided non-overlapping windows, each token predicted exactly once.
 
     With ``bos_id`` (pass the tokenizer's ``eot_id``), the stream is ``[bos_id] + tokens`` and all N tokens are
     targets, the first one predicted from the document separator as a real document start would be; without it the
     first token is context only and N - 1 tokens are targets. Window ``k`` has inputs ``stream[kT : kT+T]`` and
-    targets ``stream[kT+1 : kT+T+1]``. Window ``k`` goes to host ``k % process_count``.
+    targets ``stream[kT+1 : kT+T+1]``. Row ``r`` of global batch ``b`` is window ``b*B + r`` (B = ``batch_size``);
+    a host reads only its ``rows`` of each (``sharding.host_batch_rows``; None = every row).
 
     Yields:
-      ``{"inputs": [B, T] int32, "targets": [B, T] int32}``; padding has inputs 0 and targets IGNORE_INDEX. Sum
-      ``targets != IGNORE_INDEX`` over all batches of all hosts to get the number of scored tokens.
+      ``{"inputs": [n, T] int32, "targets": [n, T] int32}``, n = len(rows); padding has inputs 0 and targets
+      IGNORE_INDEX. Sum ``targets != IGNORE_INDEX`` over all batches of the hosts that hold distinct rows to get the
+      number of scored tokens.
     """
-    _check_common(tokens, seq_len, batch_size, process_index, process_count)
+    _check_common(tokens, seq_len, batch_size)
+    mine = _host_rows(rows, batch_size)
     n = int(tokens.shape[0])
     stream_len = n + (1 if bos_id is not None else 0)
     if stream_len < 2:
         raise CorpusError(f"the split has {n} token(s): nothing to evaluate")
     windows = num_windows(n, seq_len, bos_id=bos_id)
-    mine = np.arange(process_index, windows, process_count)
-    n_batches = num_eval_batches(n, seq_len, batch_size, bos_id=bos_id, process_count=process_count)
-    for b in range(n_batches):
-        yield _window_batch(tokens, mine[b * batch_size:(b + 1) * batch_size], seq_len, bos_id, batch_size)
+    rows_here = np.arange(batch_size) if mine is None else mine
+    for b in range(num_eval_batches(n, seq_len, batch_size, bos_id=bos_id)):
+        wanted = b * batch_size + rows_here
+        # Rows past the last window are padding; they come last because the rows are ascending.
+        yield _window_batch(tokens, wanted[wanted < windows], seq_len, bos_id, rows_here.size)

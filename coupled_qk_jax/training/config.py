@@ -282,13 +282,20 @@ class CheckpointConfig(_Block):
 @dataclasses.dataclass(frozen=True)
 class MeshConfig(_Block):
     """``mesh``: the (data, fsdp, tensor) device mesh, -1 = all remaining devices (sharding.mesh_shape checks the
-    sizes against the devices)."""
+    sizes against the devices). A multi-slice TPU run sets ``dcn_data`` / ``dcn_fsdp``, the slices that the data /
+    fsdp axis spans over the data-centre network; data, fsdp and tensor are then the sizes within one slice, and
+    the mesh's data axis is dcn_data * data (sharding.make_mesh)."""
 
     BLOCK = "mesh"
 
     data: int = -1
     fsdp: int = 1
     tensor: int = 1
+    dcn_data: int = 1
+    dcn_fsdp: int = 1
+
+    def __post_init__(self) -> None:
+        _at_least("mesh", self, 1, ("dcn_data", "dcn_fsdp"))
 
     def sizes(self) -> dict[str, int]:
         return dataclasses.asdict(self)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import jax
 import numpy as np
 from jax.sharding import Mesh
 
@@ -27,10 +28,10 @@ def evaluate_tokens(eval_step: Callable, params: Any, tokens: np.ndarray, seq_le
     Args:
       eval_step: ``(params, batch) -> (nll_sum, count)``, e.g. ``sharding.jit_sharded(steps.make_eval_step(graphdef),
         mesh, params_shardings)``.
-      tokens: [N] token ids of the split (this host reads its own windows: window k goes to batch slice k mod
-        slices, the slices of sharding.process_batch_slice).
+      tokens: [N] token ids of the split (this host reads only its rows' windows: row r of batch b is window
+        b * global_batch_size + r, and the host's rows are sharding.host_batch_rows').
       seq_len: T.
-      global_batch_size: windows per batch over all hosts (each host feeds ``global_batch_size / slices``).
+      global_batch_size: windows per batch over all hosts.
       bos_id: the end-of-text id; with it all N tokens are scored, without it N - 1.
       max_batches: 0 = the whole split; otherwise only the first ``max_batches`` batches (a cheaper estimate).
 
@@ -38,14 +39,13 @@ def evaluate_tokens(eval_step: Callable, params: Any, tokens: np.ndarray, seq_le
       {"loss": mean NLL in nats, "ppl": exp(loss), "tokens": number of scored tokens}; loss and ppl are floats, or
       float64 arrays [S] when ``eval_step`` is vmapped over a seed axis of ``params``.
     """
-    # The training rule (sharding.process_batch_slice): hosts that hold the same batch rows (a tensor axis across
-    # hosts) get the same slice index and feed the same windows; window k goes to slice k mod slices.
-    index, slices = shd.process_batch_slice(mesh, global_batch_size)
-    per_host = global_batch_size // slices
-    total = num_eval_batches(int(tokens.shape[0]), seq_len, per_host, bos_id=bos_id, process_count=slices)
+    # The training rule: a host feeds the rows its devices hold, so hosts that hold the same rows (a tensor axis
+    # across hosts) feed the same windows, and a host whose rows are not one block (TPU pods) still feeds its own.
+    rows = shd.host_batch_rows(mesh, jax.process_index(), global_batch_size)
+    total = num_eval_batches(int(tokens.shape[0]), seq_len, global_batch_size, bos_id=bos_id)
     limit = total if max_batches <= 0 else min(total, max_batches)
     outs = []
-    batches = eval_batches(tokens, seq_len, per_host, bos_id=bos_id, process_index=index, process_count=slices)
+    batches = eval_batches(tokens, seq_len, global_batch_size, bos_id=bos_id, rows=rows)
     for i, batch in enumerate(batches):
         if i == limit:
             break

@@ -47,7 +47,7 @@ from jax.sharding import PartitionSpec as P
 
 from coupled_qk_jax import sharding as shd
 from coupled_qk_jax.config import ModelConfig
-from coupled_qk_jax.data.pipeline import train_stream_spec
+from coupled_qk_jax.data.pipeline import row_runs, train_stream_spec
 from coupled_qk_jax.data.token_cache import (
     TokenCache, data_fingerprint, find_token_cache, shared_token_cache, source_contents, tokenizer_sha256)
 from coupled_qk_jax.errors import UserError
@@ -119,8 +119,6 @@ def model_config(cfg: ml_collections.ConfigDict) -> ModelConfig:
 def validate(run: RunConfig, mesh_batch_devices: int) -> None:
     """The checks that need the processes and the mesh (RunConfig checked everything else); one-line UserErrors."""
     b, accum = run.train.batch_size, run.train.grad_accum
-    if b % jax.process_count():
-        raise UserError(f"train.batch_size={b} is not divisible by the {jax.process_count()} processes")
     if (b // accum) % mesh_batch_devices:
         raise UserError(f"the micro-batch train.batch_size/train.grad_accum={b // accum} is not divisible by the "
                         f"{mesh_batch_devices} data-parallel devices (mesh.data * mesh.fsdp); change the batch "
@@ -308,10 +306,10 @@ def make_data_iterator(s: Setup) -> grain.DatasetIterator:
     """This host's checkpointable iterator of training batches: the task's dataset for the run's seed, or with
     several seeds element i of every seed's dataset stacked ([S, B_host, T]), so one iterator position (one
     checkpointed state) serves every seed and seed i sees exactly the single run's batches."""
-    # Which rows of the global batch this host loads: usually (process_index, process_count), but processes
-    # that hold the same batch rows (a tensor axis across hosts) must load the same data.
-    slice_index, slice_count = shd.process_batch_slice(s.mesh, s.config.train.batch_size)
-    datasets = [s.task.train_dataset(seed, slice_index, slice_count) for seed in s.seeds]
+    # The rows of each global batch that this host's devices hold: processes that hold the same rows (a tensor
+    # axis across hosts) load the same data, and on a TPU pod a host's rows need not be one block.
+    rows = shd.host_batch_rows(s.mesh, jax.process_index(), s.config.train.batch_size)
+    datasets = [s.task.train_dataset(seed, rows) for seed in s.seeds]
     ds = datasets[0] if len(datasets) == 1 else grain.MapDataset.range(len(datasets[0])).map(_StackSeeds(datasets))
     read = grain.ReadOptions(num_threads=s.config.data.num_threads, prefetch_buffer_size=8)
     return iter(ds.to_iter_dataset(read))
@@ -326,15 +324,25 @@ def stream_spec(s: Setup) -> dict[str, Any]:
     """What fixes this host's training batch stream besides its position, saved beside the iterator state: a
     restore into a stream with another spec is refused (the saved position would index other batches)."""
     batch_size, seq_len = s.config.train.batch_size, s.config.data.seq_len
-    slice_index, slice_count = shd.process_batch_slice(s.mesh, batch_size)
-    per_host = batch_size // slice_count
+    rows = shd.host_batch_rows(s.mesh, jax.process_index(), batch_size)
     if s.task.name == "lm":
-        spec = train_stream_spec(s.cache.tokens("train"), seq_len, per_host, s.seeds[0], slice_index, slice_count,
+        spec = train_stream_spec(s.cache.tokens("train"), seq_len, batch_size, s.seeds[0], rows,
                                  bos_id=s.cache.eot_id)
     else:
-        spec = {"batches_per_epoch": len(s.task.train), "batch_size_per_host": per_host,
-                "process_index": slice_index, "process_count": slice_count}
+        spec = {"batches_per_epoch": len(s.task.train), "batch_size": batch_size, "rows": row_runs(rows)}
     return {"task": s.task.name, **spec, "seed": list(s.seeds)}
+
+
+def upgrade_stream_spec(spec: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint's stream spec in this version's terms. Single-process checkpoints from before host rows
+    recorded (process_index 0, process_count 1, batch_size_per_host B): the same stream as every row of a batch of
+    B, so they resume. A multi-process one from then is left as it is and refused: its hosts read interleaved
+    windows, not rows of the global batch."""
+    if "process_count" not in spec or spec["process_count"] != 1:
+        return spec
+    out = {k: v for k, v in spec.items() if k not in ("process_index", "process_count", "batch_size_per_host")}
+    b = int(spec["batch_size_per_host"])
+    return {**out, "batch_size": b, "rows": [[0, b]]}
 
 
 def per_seed(metrics: dict[str, Any], num_seeds: int) -> dict[str, Any]:
@@ -412,7 +420,7 @@ def _restore_or_init(s: Setup, data_iter: Any, config_json: dict[str, Any], work
     # The checkpoint carries its own config, data fingerprint and stream spec: refuse one from another run.
     rundir.resume_changes(meta["config"], config_json, rundir.CHANGEABLE_FIELDS, workdir)
     rundir.refuse_other_data(workdir, rundir.fingerprint_differences(meta["data_fingerprint"], fingerprint))
-    saved_stream = meta.get("data_stream", {})
+    saved_stream = upgrade_stream_spec(meta.get("data_stream", {}))
     if saved_stream != stream:
         diffs = rundir.config_differences(saved_stream, stream)
         raise UserError(f"checkpoint step {step} in {s.checkpointer.directory} holds a data iterator of another "

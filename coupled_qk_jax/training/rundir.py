@@ -48,7 +48,7 @@ HELD_OUT_SPLITS = ("validation", "test")
 
 # Fields that change no result: free to differ on resume and in eval.py's --config.
 RUNTIME_FIELDS = frozenset({"data.cache_dir", "data.num_threads", "mesh.data", "mesh.fsdp", "mesh.tensor",
-                            "checkpoint.async_save", "train.stop_after"})
+                            "mesh.dcn_data", "mesh.dcn_fsdp", "checkpoint.async_save", "train.stop_after"})
 # Where the data is, not what it is: checked through the data fingerprint instead of by value.
 FINGERPRINTED_FIELDS = frozenset({"data.corpus", "data.tokenizer_path"})
 # Fields added to the configs after runs existed, with the value that means what those runs did: a run whose
@@ -58,7 +58,9 @@ ADDED_FIELDS = {"train.early_stop.metric": "", "train.early_stop.mode": "max", "
                 "train.schedule_every": 1,
                 # MQAR runs from before the validation split: the CPU levels and one fixed training order. They had no
                 # validation segment (their "validation" was the test segment); 0 = the level's own size now.
-                "mqar.protocol": "cpu", "mqar.shuffle": False, "mqar.num_valid": 0}
+                "mqar.protocol": "cpu", "mqar.shuffle": False, "mqar.num_valid": 0,
+                # Runs from before multi-slice meshes: one slice.
+                "mesh.dcn_data": 1, "mesh.dcn_fsdp": 1}
 # Fields the code no longer has, with their last default: a run that used it is read (resumed, evaluated) as if the
 # field had never existed; a run that set another value is refused (this version cannot reproduce its results).
 REMOVED_FIELDS = {"model.coupling_lowering": "batched"}  # removed in ab94b09 (one lowering of f over heads)
@@ -268,7 +270,8 @@ def upgrade_config(saved: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     """A config.json of any schema version -> ``(this version's config dict, notes)``, without the version key.
 
     * A field this code added (:data:`ADDED_FIELDS`, or a ``ModelConfig`` field) that the run lacks takes the value
-      that means what the run did, noted as "X: not in this run, using default Y".
+      that means what the run did, noted as "X: not in this run, using default Y" (unless it is a
+      :data:`RUNTIME_FIELDS` one, e.g. the mesh's slices).
     * A field this code removed (:data:`REMOVED_FIELDS`) is dropped with a note if the run held its last default;
       any other value is a UserError (the run's results would differ under this code).
     * A run written by a newer schema than this code reads is a UserError.
@@ -296,7 +299,8 @@ def upgrade_config(saved: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     for name, value in added.items():
         if name.split(".")[0] in saved and name not in flat:
             flat[name] = value
-            notes.append(f"{name}: not in this run, using default {value!r}")
+            if name not in RUNTIME_FIELDS:  # how a run is laid out on devices says nothing about what it did
+                notes.append(f"{name}: not in this run, using default {value!r}")
     return _unflatten(flat), notes
 
 

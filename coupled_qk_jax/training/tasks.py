@@ -2,9 +2,10 @@
 
 A task gives the loop (``training/loop.py``) exactly two things:
 
-* ``train_dataset(seed, slice_index, slice_count)``: a ``grain.MapDataset`` whose element ``i`` is this host's rows
-  of global batch ``i``, ``{"inputs", "targets"}`` int32 ``[B_host, T]`` (targets -100 = not scored). The loop
-  turns it into the checkpointed iterator; with ``train.num_seeds > 1`` it stacks one dataset per seed.
+* ``train_dataset(seed, rows)``: a ``grain.MapDataset`` whose element ``i`` is this host's ``rows`` of global batch
+  ``i`` (``sharding.host_batch_rows``; None = every row), ``{"inputs", "targets"}`` int32 ``[len(rows), T]``
+  (targets -100 = not scored). The loop turns it into the checkpointed iterator; with ``train.num_seeds > 1`` it
+  stacks one dataset per seed.
 * ``make_evaluator(graphdef, params_shardings, mesh, num_seeds)``: a function
   ``(params, split, max_batches) -> {name: value}``. Per-seed metrics are float64 arrays ``[S]`` (``S = 1`` for a
   single run); counts shared by every seed are Python ints. ``max_batches = 0`` scores the whole held-out set.
@@ -93,10 +94,9 @@ class LMTask:
             raise UserError(f"the eval batch size {self.eval_batch_size()} is not divisible by the {batch_devices} "
                              f"data-parallel devices; set train.eval_batch_size")
 
-    def train_dataset(self, seed: int, slice_index: int, slice_count: int) -> grain.MapDataset:
-        per_host = self.config.train.batch_size // slice_count
-        return train_batches(self.cache.tokens("train"), self.config.data.seq_len, per_host, seed, slice_index,
-                             slice_count, bos_id=self.cache.eot_id)
+    def train_dataset(self, seed: int, rows: np.ndarray | None = None) -> grain.MapDataset:
+        return train_batches(self.cache.tokens("train"), self.config.data.seq_len, self.config.train.batch_size, seed,
+                             rows, bos_id=self.cache.eot_id)
 
     def make_evaluator(self, graphdef: nnx.GraphDef, params_shardings: Any, mesh: Mesh,
                        num_seeds: int) -> Evaluator:
@@ -126,12 +126,12 @@ class _HostRows:
     targets: the label at position t is the value answering the key at t; the loss scores the answer positions
     only, steps.make_loss_fn)."""
 
-    def __init__(self, slice_index: int, slice_count: int) -> None:
-        self.slice_index, self.slice_count = slice_index, slice_count
+    def __init__(self, rows: np.ndarray | None) -> None:
+        # Ascending rows of the batch (sharding.host_batch_rows); None = every row.
+        self.rows = slice(None) if rows is None else np.asarray(rows, dtype=np.int64)
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        n = batch["inputs"].shape[0] // self.slice_count
-        rows = slice(self.slice_index * n, (self.slice_index + 1) * n)
+        rows = self.rows
         return {"inputs": batch["inputs"][rows], "targets": batch["labels"][rows],
                 "answer_positions": batch["answer_positions"][rows]}
 
@@ -236,10 +236,10 @@ class MQARTask:
     def validate(self, batch_devices: int) -> None:
         del batch_devices  # checked in __init__
 
-    def train_dataset(self, seed: int, slice_index: int, slice_count: int) -> grain.MapDataset:
-        """Element ``i`` is this host's rows of global batch ``i``: epoch ``i // steps_per_epoch`` in the order of
+    def train_dataset(self, seed: int, rows: np.ndarray | None = None) -> grain.MapDataset:
+        """Element ``i`` is this host's ``rows`` of global batch ``i``: epoch ``i // steps_per_epoch`` in the order of
         (``seed``, epoch), or, with ``mqar.shuffle`` off, zoology's stored order for every seed and epoch."""
-        host_rows = _HostRows(slice_index, slice_count)
+        host_rows = _HostRows(rows)
         if not self.shuffle:
             return grain.MapDataset.source(self.train).repeat().map(host_rows)
         return grain.MapDataset.range(len(self.train)).repeat().map_with_index(self.train.shuffled(seed)).map(host_rows)
@@ -255,8 +255,7 @@ class MQARTask:
             return jnp.argmax(logits, axis=-1).astype(jnp.int32), nll_sum, count
 
         step = _jit_eval(scores, params_shardings, mesh, num_seeds)
-        slice_index, slice_count = shd.process_batch_slice(mesh, self.test[0]["inputs"].shape[0])
-        host_rows = _HostRows(slice_index, slice_count)
+        host_rows = _HostRows(shd.host_batch_rows(mesh, jax.process_index(), self.test[0]["inputs"].shape[0]))
 
         def evaluate(params: Any, split: str = "validation", max_batches: int = 0) -> dict[str, Any]:
             # The metric names are zoology's ("valid/...") for either split; the caller records which one it asked.
