@@ -5,7 +5,9 @@
 Needs nothing but the run directory: the config (DIR/config.json), the tokenizer and the held-out token ids are the
 run's own, so a run directory moved or copied elsewhere, to any machine, evaluates as it is (training/run.py): one
 device by default, or the --mesh given, whatever mesh trained it. --step picks a checkpoint (default: the newest
-intact one); --replica one seed of a seed-parallel run (default all: one row per seed plus mean ± std). `--config` is
+intact one); --replica one seed of a seed-parallel run (default all: one row per seed plus mean ± std). Launched on
+several processes (as a multi-host train.py, coupled_qk_jax/distributed.py) it joins them and --mesh spans every
+process's devices (default: all of them on the data axis); process 0 prints and writes. `--config` is
 only a confirmation: one that disagrees with the run in what is evaluated (model, data, task) is refused with the
 differing fields; other differences are ignored with a note. Every token of the split is scored exactly once. The
 result is printed first, then written to OUT/eval_<split>_step<step>[_replica<K>].json (OUT defaults to DIR/eval);
@@ -39,10 +41,17 @@ def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
+    # Launched on several processes (as a multi-host train.py is), join them before anything touches a device: the
+    # --mesh then spans every process's devices. A no-op on one process.
+    from coupled_qk_jax.distributed import initialize_distributed
+
+    initialize_distributed()
     cli.exit_process(cli.run_guarded(_eval))
 
 
 def _eval() -> None:
+    import jax
+
     from coupled_qk_jax.training import rundir
     from coupled_qk_jax.training.run import Run
 
@@ -53,14 +62,19 @@ def _eval() -> None:
     if replica != "all":
         run.check_replica(replica)
     result = run.evaluate(FLAGS.split, FLAGS.step, replica)
-    print_result(result, FLAGS.split)  # printed before anything is written: a failed write loses nothing
-    path = rundir.write_eval_result(out, result)
-    print(f"-> {path}", flush=True)
+    # Every process evaluates (the mesh spans them); one prints and writes, the others hold the same result.
+    main_process = jax.process_index() == 0
+    if main_process:
+        print_result(result, FLAGS.split)  # printed before anything is written: a failed write loses nothing
+        path = rundir.write_eval_result(out, result)
+        print(f"-> {path}", flush=True)
     if FLAGS.diagnostics:
         from coupled_qk_jax.diagnostics_report import report_from_checkpoint
 
         for r in (range(run.num_replicas) if replica == "all" else [replica]):
             report = report_from_checkpoint(run, FLAGS.split, out_dir=out, step=result["step"], replica=r)
+            if report is None:  # another process's: process 0 writes and prints the report
+                continue
             means = report["model_mean"]
             which = f" replica {r}" if run.num_replicas > 1 else ""
             print(f"diagnostics{which}: effective rank {means['effective_rank']:.3f}, normalised entropy "

@@ -5,7 +5,9 @@ The newest intact checkpoint (or --step), replica 0 (or --replica: one seed of a
 device (or --mesh) whatever machine trained it. Writes DIR/model.safetensors (float32 weights named by dotted paths,
 always per layer: blocks.0.attn.wq, with or without model.scan_layers), DIR/config.json (the run's config),
 DIR/tokenizer.json (BPE runs) and DIR/export.json (checksums). Load it with
-`coupled_qk_jax.export.load_exported(DIR)`. See coupled_qk_jax/export.py.
+`coupled_qk_jax.export.load_exported(DIR)`. Launched on several processes (as a multi-host train.py) it joins them
+and --mesh spans every process's devices (default: all of them on the data axis); each process gathers the weights,
+process 0 writes the folder. See coupled_qk_jax/export.py.
 """
 
 from __future__ import annotations
@@ -25,16 +27,24 @@ def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
+    # Launched on several processes (as a multi-host train.py is), join them before anything touches a device: the
+    # --mesh then spans every process's devices. A no-op on one process.
+    from coupled_qk_jax.distributed import initialize_distributed
+
+    initialize_distributed()
     from coupled_qk_jax.training import cli
 
     cli.exit_process(cli.run_guarded(_export))
 
 
 def _export() -> None:
+    import jax
+
     from coupled_qk_jax.export import export_run
 
     out = export_run(FLAGS.workdir, FLAGS.out, step=FLAGS.step, replica=FLAGS.replica, mesh=FLAGS.mesh or None)
-    print(f"exported {FLAGS.workdir} -> {out}", flush=True)
+    if jax.process_index() == 0:  # the process that wrote the folder
+        print(f"exported {FLAGS.workdir} -> {out}", flush=True)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,9 @@ an export folder: `python sample.py --exported=DIR ...`.
 The model, its config and its tokenizer all come from the run directory (the newest intact checkpoint, or --step),
 restored onto one device (or --mesh=data:D,fsdp:F,tensor:T, where it is also generated on: parameters in the
 training layout, the KV cache split over batch and heads) whatever machine trained it; --replica picks a seed of
-a seed-parallel run. Several --prompt and --ids flags make one batch; prompts may differ in length. Decoding is
+a seed-parallel run. Launched on several processes (as a multi-host train.py) it joins them: --mesh spans every
+process's devices (default: all of them on the data axis) and process 0 prints. Several --prompt and --ids flags make
+one batch; prompts may differ in length. Decoding is
 greedy with --temperature=0, otherwise sampled with --temperature, --top_k and --top_p from --seed. Text prompts
 start a new document (they are preceded by <|endoftext|>); with neither flag, one empty prompt samples a document
 from scratch. See coupled_qk_jax/generate.py.
@@ -37,6 +39,11 @@ def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
+    # Launched on several processes (as a multi-host train.py is), join them before anything touches a device: the
+    # --mesh then spans every process's devices. A no-op on one process.
+    from coupled_qk_jax.distributed import initialize_distributed
+
+    initialize_distributed()
     from coupled_qk_jax.training import cli
 
     cli.exit_process(cli.run_guarded(_sample))
@@ -73,14 +80,18 @@ def _sample() -> None:
     labels = [repr(t) for t in texts] + [f"ids {s}" for s in FLAGS.ids]
     batch = [p for p in prompts for _ in range(FLAGS.num_samples)]
     gen = generate.Generator(model, vocab_limit=tokenizer.vocab_size)
-    if gen.mesh is not None:
+    import jax  # noqa: PLC0415
+
+    # Every process generates (the mesh spans them, and each gets every row back); process 0 prints.
+    main_process = jax.process_index() == 0
+    if gen.mesh is not None and main_process:
         import sys  # noqa: PLC0415
 
         print(f"note: generating on a {' x '.join(f'{a}={n}' for a, n in gen.mesh.shape.items())} mesh",
               file=sys.stderr, flush=True)
     outputs = gen.generate(batch, FLAGS.max_new_tokens, sampling, FLAGS.seed,
                            eot_id=tokenizer.eot_id if FLAGS.stop_at_eot else None)
-    for i, (prompt, new) in enumerate(zip(batch, outputs)):
+    for i, (prompt, new) in enumerate(zip(batch, outputs) if main_process else ()):
         label = labels[i // FLAGS.num_samples]
         print(f"--- sample {i % FLAGS.num_samples + 1} of prompt {label}: {len(new)} new tokens", flush=True)
         print(tokenizer.decode(np.concatenate([prompt, new])), flush=True)

@@ -231,14 +231,15 @@ def report_name(split: str, step: int, replica: int | None = None) -> str:
 
 def report_from_checkpoint(run: Any, split: str = "validation", windows: int = 8,
                            out_dir: str | Path | None = None, step: int | None = None,
-                           replica: int = 0) -> dict[str, Any]:
+                           replica: int = 0) -> dict[str, Any] | None:
     """Diagnostics of one replica of checkpoint ``step`` (default: the newest intact one) of ``run`` (a
     training.run.Run, or a run directory to open) on the first ``windows`` full windows of ``split``; writes
     :func:`report_name`'s ``.json`` and ``.png`` to ``out_dir`` (default the run directory). The report carries
     ``checkpoint_step``, ``replica``, ``split`` and ``files`` (the two paths).
 
     This is what ``eval.py --diagnostics`` calls, once per replica it evaluates. The params are gathered to the
-    host: the diagnostics are small (a few windows) and run unsharded.
+    host: the diagnostics are small (a few windows) and run unsharded. On several processes every one must call
+    this (the gather is a collective); process 0 computes and writes the report, the others return None.
     """
 
     from coupled_qk_jax.data.pipeline import eval_batches  # noqa: PLC0415
@@ -250,7 +251,11 @@ def report_from_checkpoint(run: Any, split: str = "validation", windows: int = 8
         raise UserError(f"--diagnostics reads a token split; {run.workdir} is a {run.cfg.task} run (the sweep driver "
                         f"computes MQAR diagnostics on the test examples)")
     step, _ = run.state(step)
-    params = jax.tree.map(lambda x: np.asarray(jax.device_get(x)), run.params(step, replica))
+    from coupled_qk_jax.sharding import to_host  # noqa: PLC0415
+
+    params = jax.tree.map(to_host, run.params(step, replica))  # all-gathered where shards are on other processes
+    if jax.process_index() != 0:
+        return None
     model = nnx.merge(run.graphdef, params)
     seq_len = int(run.cfg.data.seq_len)
     batch = next(iter(eval_batches(run.data.tokens(split), seq_len, windows, bos_id=run.data.eot_id)))

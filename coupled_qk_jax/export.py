@@ -107,15 +107,33 @@ def write_export(out: str | os.PathLike[str], params: Any, config: dict[str, Any
     """Writes an export folder from one model's params pytree (no seed axis), the run's config dict and its
     tokenizer; ``replica`` ({"replica", "seed"}) says which seed of a seed-parallel run it is. Returns its path.
 
-    ``out`` may be missing, empty, or an earlier export (replaced); any other existing path is refused.
+    ``out`` may be missing, empty, or an earlier export (replaced); any other existing path is refused. On several
+    processes every one must call this (the params' shards are gathered); process 0 writes, and all return once the
+    folder is in place.
     """
-    from safetensors.numpy import save_file  # noqa: PLC0415 - only exporting needs it
-
     out = Path(out).absolute()
     if out.exists() and not (out.is_dir() and (not any(out.iterdir()) or (out / MANIFEST).is_file())):
         raise ExportError(f"--out {out} exists and is not an export folder; choose a new or empty directory")
     mcfg = ModelConfig.from_dict(config["model"])  # the loader must be able to read what we write
+    if not isinstance(tokenizer, (BPETokenizer, ByteTokenizer)):  # refused on every process, before any collective
+        raise ExportError(f"cannot export a {type(tokenizer).__name__}; expected a BPE or byte tokenizer")
+    # Every process gathers (a collective where shards are on other processes); process 0 alone writes the folder.
     tensors = {k: np.ascontiguousarray(v) for k, v in per_layer_tensors(params, mcfg).items()}
+    if jax.process_index() == 0:
+        _write_folder(out, tensors, config, tokenizer, step, replica)
+    if jax.process_count() > 1:  # no process returns before the folder is in place
+        from jax.experimental import multihost_utils  # noqa: PLC0415
+
+        multihost_utils.sync_global_devices("coupled_qk_jax.export.write_export")
+    return out
+
+
+def _write_folder(out: Path, tensors: dict[str, np.ndarray], config: dict[str, Any], tokenizer: Tokenizer,
+                  step: int | None, replica: dict[str, int] | None) -> None:
+    """Writes :func:`write_export`'s folder from its tensors (name -> host array), under a temporary name renamed
+    into place."""
+    from safetensors.numpy import save_file  # noqa: PLC0415 - only exporting needs it
+
     tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -125,8 +143,6 @@ def write_export(out: str | os.PathLike[str], params: Any, config: dict[str, Any
     if isinstance(tokenizer, BPETokenizer):
         tokenizer.save(tmp / TOKENIZER)
         files.append(TOKENIZER)
-    elif not isinstance(tokenizer, ByteTokenizer):
-        raise ExportError(f"cannot export a {type(tokenizer).__name__}; expected a BPE or byte tokenizer")
     manifest = {
         "format": FORMAT, "format_version": FORMAT_VERSION, "step": step, **(replica or {}),
         "tokenizer": {"kind": tokenizer.kind, "vocab_size": int(tokenizer.vocab_size), "eot_id": int(tokenizer.eot_id),
@@ -138,7 +154,6 @@ def write_export(out: str | os.PathLike[str], params: Any, config: dict[str, Any
     if out.exists():
         shutil.rmtree(out)
     os.replace(tmp, out)
-    return out
 
 
 def export_run(workdir: str | os.PathLike[str], out: str | os.PathLike[str], *, step: int | None = None,

@@ -267,13 +267,14 @@ class Generator:
         finished = np.arange(len(rows)) >= n_real  # padding rows never hold up stopping at eot
         for step in range(1, max_new_tokens):
             if eot_id is not None:
-                finished |= np.asarray(tok) == eot_id  # one host sync per step, only when stopping early is asked
+                # One host sync per step, only when stopping early is asked (all-gathered across processes).
+                finished |= shd.to_host(tok) == eot_id
                 if finished.all():
                     break
             tok, cache = self._decode(self.state, cache, tok, positions, step, key, sampling)
             positions = positions + 1
             out.append(tok)
-        ids = np.stack(jax.device_get(out), axis=1)  # [B, steps]
+        ids = np.stack([shd.to_host(t) for t in out], axis=1)  # [B, steps]; every process gets every row
         results = []
         for row in ids[:n_real]:
             if eot_id is not None and (row == eot_id).any():

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -222,3 +223,104 @@ def test_train_py_two_processes_matches_one_process(tmp_path):
     entries = list((tmp_path / "cache_two" / "tokens").iterdir())
     assert [e.name for e in entries] == [e.name for e in (tmp_path / "cache_one" / "tokens").iterdir()], entries
     assert sorted(f.name for f in entries[0].iterdir()) == ["manifest.json", "test.bin", "train.bin", "validation.bin"]
+
+
+# ------------------------------------------------------------------------------- eval.py, export.py, sample.py
+FIXTURE = ROOT / "tests" / "fixtures" / "run_v1"
+_GLOO_REPORT = re.compile(r"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. Expected number of connected peer "
+                          r"ranks is : \d+\n?")
+
+
+def _readers(script: str, args: list[str], outs: dict[str, pathlib.Path]) -> dict[str, list[str]]:
+    """``script`` run as 1 process x 4 CPU devices ("one") beside 2 processes x 2 devices ("two"), each with its
+    own ``--out`` (``outs[name]``; None: no --out); returns each run's stdouts (one per process)."""
+    procs: dict[str, list[subprocess.Popen]] = {}
+    try:
+        for name, n in (("one", 1), ("two", 2)):
+            cluster_of = [{}]
+            if n > 1:
+                portpicker = pytest.importorskip("portpicker")
+                port = portpicker.pick_unused_port()
+                cluster_of = [{distributed.ENV_COORDINATOR: f"127.0.0.1:{port}", distributed.ENV_NUM_PROCESSES: str(n),
+                               distributed.ENV_PROCESS_ID: str(pid)} for pid in range(n)]
+            out = [f"--out={outs[name]}"] if outs.get(name) else []
+            procs[name] = [subprocess.Popen([sys.executable, str(ROOT / script), *args, *out], cwd=ROOT,
+                                            env=_env(4 // n, cluster), stdout=subprocess.PIPE,
+                                            stderr=subprocess.PIPE, text=True) for cluster in cluster_of]
+    finally:
+        results = {}
+        for name, ps in procs.items():
+            results[name] = []
+            for p in ps:
+                try:
+                    stdout, stderr = p.communicate(timeout=TIMEOUT_S)
+                finally:
+                    if p.poll() is None:
+                        p.kill()
+                        p.communicate()
+                assert p.returncode == 0, f"{script} ({name}) exited with {p.returncode}:\n{stderr[-4000:]}"
+                # gloo reports its connections on stdout from C++ (unbuffered, so a report may be split); the
+                # script's lines are the rest.
+                results[name].append(_GLOO_REPORT.sub("", stdout))
+    return results
+
+
+def test_readers_on_two_processes_equal_one_process(tmp_path):
+    """eval.py, export.py and sample.py launched on 2 processes (gloo collectives, 2 CPU devices each) on an
+    (fsdp=4) mesh that splits every weight across the processes, so that no process holds a whole one: each
+    equals the same command on 1 process x 4 devices (same mesh shape), and the answers the fixture's writing
+    code gave (tests/fixtures/README.md): the evaluation to float32 summation order, the exported weights and the
+    greedy samples exactly. Process 0 alone prints and writes."""
+    import hashlib
+    import json
+
+    import numpy as np
+
+    expected = json.loads((ROOT / "tests" / "fixtures" / "run_v1_expected.json").read_text())
+    run = tmp_path / "run_v1"
+    import shutil
+
+    shutil.copytree(FIXTURE, run)
+    mesh = "--mesh=fsdp:4"
+
+    evals = {name: tmp_path / f"eval_{name}" for name in ("one", "two")}
+    out = _readers("eval.py", [f"--workdir={run}", mesh], evals)
+    assert out["two"][1] == "", out  # process 1 prints nothing
+    assert out["two"][0] == out["one"][0].replace(str(evals["one"]), str(evals["two"])), out
+    results = {name: json.loads((d / "eval_validation_step6.json").read_text()) for name, d in evals.items()}
+    assert results["two"]["mesh"] == results["one"]["mesh"] == {"data": 1, "fsdp": 4, "tensor": 1}
+    assert (results["two"]["step"], results["two"]["tokens"]) == (results["one"]["step"], results["one"]["tokens"])
+    # Each host reads windows k mod 2 of the split, so a batch holds the 1-process run's windows in another row
+    # order: its float32 NLL sum differs in the last bits (every window is scored once either way: the tokens).
+    for key in ("loss", "ppl"):
+        assert results["two"][key] == pytest.approx(results["one"][key], rel=1e-6), key
+    assert results["two"]["tokens"] == expected["validation"]["tokens"]
+    assert results["two"]["loss"] == pytest.approx(expected["validation"]["loss"], rel=1e-6)
+
+    exports = {name: tmp_path / f"export_{name}" for name in ("one", "two")}
+    out = _readers("export.py", [f"--workdir={run}", mesh], exports)
+    assert out["two"][1] == "" and out["two"][0] == f"exported {run} -> {exports['two']}\n", out
+    files = {name: (d / "model.safetensors").read_bytes() for name, d in exports.items()}
+    # The JSON header, then the tensors' bytes. The safetensors writer orders the header's metadata entries
+    # differently from run to run (a hash map), so the header is compared parsed; the data section bitwise.
+    header_end = {name: 8 + int.from_bytes(b[:8], "little") for name, b in files.items()}
+    assert json.loads(files["two"][8:header_end["two"]]) == json.loads(files["one"][8:header_end["one"]])
+    assert files["two"][header_end["two"]:] == files["one"][header_end["one"]:]
+    from safetensors.numpy import load_file
+
+    tensors = load_file(str(exports["two"] / "model.safetensors"))
+    assert {k: hashlib.sha256(np.ascontiguousarray(v).tobytes()).hexdigest() for k, v in tensors.items()} == \
+        {k: v["sha256"] for k, v in expected["export"].items()}
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["run_v1", *(d.name for d in [*evals.values(),
+                                                                                             *exports.values()])])
+
+    greedy = expected["greedy"]
+    ids = [f"--ids={','.join(map(str, p))}" for p in greedy["prompts"]]
+    out = _readers("sample.py", [f"--workdir={run}", mesh, *ids, "--temperature=0", "--nostop_at_eot",
+                                 f"--max_new_tokens={greedy['new_tokens']}"], {})
+    assert out["two"][1] == "" and out["two"][0] == out["one"][0], out
+    from coupled_qk_jax.data.tokenizer import ByteTokenizer
+
+    texts = [ByteTokenizer().decode(np.asarray(p + t)) for p, t in zip(greedy["prompts"], greedy["tokens"])]
+    assert [line for line in out["two"][0].splitlines() if not line.startswith("--- sample")] == \
+        [line for text in texts for line in text.splitlines()], out["two"][0]

@@ -195,6 +195,50 @@ def test_step_picks_a_checkpoint(fixture_run):
         run.state(4)
 
 
+def _state_of_step(step_dir) -> dict:
+    """The whole train state of a checkpoint step as orbax's own reader gives it (host numpy, no checksums)."""
+    import orbax.checkpoint as ocp
+
+    with ocp.StandardCheckpointer() as ck:
+        return ck.restore(os.path.join(step_dir, "state"))
+
+
+def test_readers_restore_the_params_only_and_verify_what_they_read(fixture_run, capfd):
+    """A reader reads the parameters, not the optimiser's moments: the restored tree is ``{"params"}`` alone, its
+    bytes those of the params of orbax's full restore (itself over three times as many: AdamW's two moments), and
+    bitwise equal to them. The saved checksums still guard what is read: a params checksum that no longer matches
+    makes the step damaged (the reader falls back to step 3), one of the optimiser's state (not read) does not."""
+    full = _state_of_step(fixture_run / "checkpoints" / "6")
+    params_bytes = sum(np.asarray(x).nbytes for x in jax.tree.leaves(full["params"]))
+    assert sum(np.asarray(x).nbytes for x in jax.tree.leaves(full)) > 3 * params_bytes  # what was read before
+
+    at, state = Run.open(fixture_run, report=False).state()
+    assert at == 6 and list(state) == ["params"]
+    assert sum(x.nbytes for x in jax.tree.leaves(state)) == params_bytes
+    mine, reference = _by_name(state["params"]), _by_name(full["params"])
+    assert mine.keys() == reference.keys()
+    for k in reference:
+        assert mine[k].dtype == reference[k].dtype and mine[k].tobytes() == reference[k].tobytes(), k
+
+    meta_path = fixture_run / "checkpoints" / "6" / "meta" / "metadata"
+    saved = meta_path.read_text()
+
+    def with_checksum(prefix: str) -> None:
+        meta = json.loads(saved)
+        name = next(k for k in meta["checksums"] if k.startswith(prefix))
+        meta["checksums"][name] = [(meta["checksums"][name][0] + 1) % 2**32, meta["checksums"][name][1]]
+        meta_path.write_text(json.dumps(meta))
+
+    with_checksum("['opt_state']")
+    capfd.readouterr()
+    at, state = Run.open(fixture_run, report=False).state()
+    assert at == 6 and capfd.readouterr().err == ""
+    with_checksum("['params']['blocks']")
+    at, state = Run.open(fixture_run, report=False).state()
+    err = capfd.readouterr().err
+    assert at == 3 and "step 6" in err and "differ from their saved checksums" in err, err
+
+
 def test_keep_best_keeps_the_lowest_validation_loss_besides_the_last(tmp_path):
     import grain
     import jax.numpy as jnp

@@ -320,14 +320,22 @@ class Checkpointer:
                 shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
 
     # -- restoring ---------------------------------------------------------------------------------------------
-    def restore(self, step: int, target: dict, data_iter: grain.DatasetIterator | None = None) -> tuple[dict, dict]:
+    def restore(self, step: int, target: dict, data_iter: grain.DatasetIterator | None = None, *,
+                partial: bool = False) -> tuple[dict, dict]:
         """``(state, meta)`` of checkpoint ``step``: the state restored into ``target`` (a tree of
         ``jax.ShapeDtypeStruct`` with shardings: arrays come back already placed, resharded if the mesh changed)
         and verified against its stored checksums; if given, the data iterator is restored in place.
-        Raises DamagedCheckpoint."""
+
+        ``partial``: ``target`` names only some of the saved state's top-level entries (a reader's
+        ``{"params": ...}``): only their arrays are read from disk, and every saved checksum under those entries is
+        checked (the others, e.g. the optimiser's moments, are neither read nor checked). Raises DamagedCheckpoint."""
         _quiet_orphaned_reads()
         meta = self.read_meta(step)
-        args = {"state": ocp.args.StandardRestore(target)}
+        if partial:  # orbax reads only the leaves named in the item; StandardRestore insists on the whole tree
+            args = {"state": ocp.args.PyTreeRestore(item=target, partial_restore=True,
+                                                    restore_args=ocp.checkpoint_utils.construct_restore_args(target))}
+        else:
+            args = {"state": ocp.args.StandardRestore(target)}
         if data_iter is not None:
             args["data"] = grain.checkpoint.CheckpointRestore(data_iter)
         try:
@@ -335,24 +343,29 @@ class Checkpointer:
         except Exception as e:  # noqa: BLE001 - truncated / missing files surface as many exception types
             raise DamagedCheckpoint(f"its arrays cannot be read ({_first_line(e)})") from e
         got = leaf_checksums(state)
-        bad = sorted(k for k in meta["checksums"] if got.get(k) != meta["checksums"][k])
-        missing = sorted(set(got) - set(meta["checksums"]))
+        saved = meta["checksums"]
+        if partial:  # every saved leaf under the entries asked for; a leaf of them missing from `got` is bad
+            entries = tuple(jax.tree_util.keystr((jax.tree_util.DictKey(k),)) for k in target)
+            saved = {k: v for k, v in saved.items() if k.startswith(entries)}
+        bad = sorted(k for k in saved if got.get(k) != saved[k])
+        missing = sorted(set(got) - set(saved))
         if bad or missing:
             names = bad or missing
             raise DamagedCheckpoint(f"{len(names)} array(s) differ from their saved checksums, e.g. {names[0]}")
         return state, meta
 
     def restore_newest_intact(self, target: dict, data_iter: grain.DatasetIterator | None = None,
-                              on_damaged: Callable[[int, str], None] | None = None
+                              on_damaged: Callable[[int, str], None] | None = None, *, partial: bool = False
                               ) -> tuple[int, dict, dict] | None:
         """``(step, state, meta)`` of the newest checkpoint that restores and verifies, or None when there is no
         checkpoint at all. Each damaged newer step is reported with a one-line warning on stderr and passed to
-        ``on_damaged(step, reason)``. Raises UserError when every checkpoint is damaged."""
+        ``on_damaged(step, reason)``. ``partial``: as in :meth:`restore`. Raises UserError when every checkpoint is
+        damaged."""
         steps = self.all_steps()
         reasons = []
         for step in reversed(steps):
             try:
-                state, meta = self.restore(step, target, data_iter)
+                state, meta = self.restore(step, target, data_iter, partial=partial)
             except DamagedCheckpoint as e:
                 reasons.append(f"step {step}: {e}")
                 older = [s for s in steps if s < step]

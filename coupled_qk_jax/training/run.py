@@ -7,11 +7,13 @@
     result = run.evaluate("validation", replica="all")
 
 Everything comes from the run directory: config.json (upgraded to this version's schema: rundir.upgrade_config),
-data.json, tokenizer.json, heldout/ and checkpoints/; no corpus, no token cache. The state is restored onto the
-devices of *this* process, in the shardings of the mesh the caller gives (default: one device), whatever mesh
-trained it: none of the training-only rules (a batch size divisible by the devices, the run's own mesh sizes)
-apply. A replica is one seed of a seed-parallel run (``train.num_seeds``); a single run has one, replica 0.
-Nothing in the run directory is written. eval.py, sample.py, export.py, the diagnostics report, the sweep reports
+data.json, tokenizer.json, heldout/ and checkpoints/; no corpus, no token cache. Only the parameters are read from
+a checkpoint (never the optimiser's moments, twice their size with AdamW), verified against the checksums saved with
+them, onto the mesh the caller gives (default: one device), in its shardings, whatever mesh trained it: none of the
+training-only rules (a batch size divisible by the devices, the run's own mesh sizes) apply. A reader started on
+several processes (after ``distributed.initialize_distributed``) reads onto a mesh over every process's devices
+(:func:`reader_mesh`). A replica is one seed of a seed-parallel run (``train.num_seeds``); a single run has one,
+replica 0. Nothing in the run directory is written. eval.py, sample.py, export.py, the diagnostics report, the sweep reports
 and the qkov bridge all read runs through this class; training uses :func:`state_layout` for the same shapes.
 """
 
@@ -87,7 +89,7 @@ def state_layout(mcfg: ModelConfig, train_cfg: TrainConfig, seeds: list[int], me
 
 def parse_mesh(text: str) -> dict[str, int]:
     """``"data:2,fsdp:1,tensor:1"`` -> ``{"data": 2, "fsdp": 1, "tensor": 1}``; an axis not named is 1, and one
-    axis may be -1 (every device of the process). Raises UserError naming the flag's form."""
+    axis may be -1 (every device, of every process). Raises UserError naming the flag's form."""
     sizes = dict.fromkeys(shd.MESH_AXES, 1)
     for part in [p.strip() for p in text.split(",") if p.strip()]:
         axis, _, value = part.partition(":")
@@ -104,15 +106,24 @@ def parse_mesh(text: str) -> dict[str, int]:
 
 
 def reader_mesh(mesh: str | Mapping[str, int] | Mesh | None = None) -> Mesh:
-    """The mesh a reader restores onto: the given Mesh, a ``parse_mesh`` string or mapping over the first devices
-    of this process, or (None) one device."""
+    """The mesh a reader restores onto: the given Mesh, or a ``parse_mesh`` string or mapping over the first devices
+    of ``jax.devices()``, or (None) one device.
+
+    On several processes (a reader launched like a multi-host train.py) ``jax.devices()`` holds every process's
+    devices and the mesh must use all of them: each process runs every program of the mesh, so one without devices
+    in it would have nothing to run them on. None there means every device on the data axis."""
     if isinstance(mesh, Mesh):
         return mesh
+    devices = jax.devices()
+    multi = jax.process_count() > 1
+    if mesh is None and multi:
+        mesh = {**dict.fromkeys(shd.MESH_AXES, 1), "data": -1}
     sizes = parse_mesh(mesh) if isinstance(mesh, str) else dict(mesh or dict.fromkeys(shd.MESH_AXES, 1))
-    devices = jax.local_devices()
     n = len(devices) if -1 in sizes.values() else int(np.prod(list(sizes.values())))
-    if n > len(devices):
-        raise UserError(f"--mesh {sizes} needs {n} devices, this process has {len(devices)}")
+    where = f"the {jax.process_count()} processes have" if multi else "this process has"
+    if n > len(devices) or (multi and n != len(devices)):
+        raise UserError(f"--mesh {sizes} needs {n} devices, {where} {len(devices)}"
+                        + (" (on several processes the mesh uses every device)" if multi else ""))
     try:
         return shd.make_mesh(sizes, devices[:n])
     except ValueError as e:
@@ -189,7 +200,7 @@ class Run:
         mesh = reader_mesh(mesh)
         with _checkpointer(os.path.join(workdir, CHECKPOINTS)) as ck:
             steps = ck.all_steps()
-        if report:
+        if report and jax.process_index() == 0:  # one copy of each note, however many processes read
             import sys  # noqa: PLC0415
 
             for note in notes:
@@ -220,15 +231,18 @@ class Run:
 
     # -- restoring ---------------------------------------------------------------------------------------------
     def state(self, step: int | None = None) -> tuple[int, dict]:
-        """``(step, train state)`` of checkpoint ``step`` (default: the newest intact one, older ones tried after a
-        one-line warning per damaged step), every replica, in this run's mesh. The last restore is kept."""
+        """``(step, {"params": params})`` of checkpoint ``step`` (default: the newest intact one, older ones tried
+        after a one-line warning per damaged step), every replica (a leading seed axis [S, ...] when S > 1), in this
+        run's mesh. Only the parameters are read and verified: the optimiser's state and the step counter are not
+        (see the module docstring). The last restore is kept."""
         if self._restored is not None and step in (self._restored[0], self._restored[1]):
             return self._restored[1], self._restored[2]
-        target = abstract_target(self.layout.abstract_state, self.layout.shardings)
+        target = abstract_target({"params": self.layout.abstract_state["params"]},
+                                 {"params": self.layout.shardings["params"]})
         directory = os.path.join(self.workdir, CHECKPOINTS)
         with _checkpointer(directory) as ck:
             if step is None:
-                found = ck.restore_newest_intact(target)
+                found = ck.restore_newest_intact(target, partial=True)
                 if found is None:
                     raise UserError(f"no completed checkpoint in {directory}: train first")
                 at, state, _ = found
@@ -237,7 +251,7 @@ class Run:
                     raise UserError(f"--step={step}: {directory} has checkpoints at steps "
                                     f"{', '.join(map(str, self.steps)) or 'none'}")
                 try:
-                    state, _ = ck.restore(step, target)
+                    state, _ = ck.restore(step, target, partial=True)
                 except DamagedCheckpoint as e:
                     raise UserError(f"checkpoint step {step} in {directory} is damaged ({e}); choose another "
                                     f"--step of {', '.join(str(s) for s in self.steps if s != step)}") from None
