@@ -107,9 +107,9 @@ def np_lambda_gradient(q, k, v, lam: float, cot) -> float:
     return float(-np.sum(g_o * o2))
 
 
-def test_differential_lambda_gradient_matches_float64_through_every_kernel():
+def test_differential_lambda_gradient_matches_float64_through_every_kernel(monkeypatch):
     """λ's gradient through the differential mix and the head norm, from bf16 q, k, v, on the explicit path, the
-    fused XLA form and the Pallas TPU flash kernel (interpret mode), against float64 on the same bf16 values. Small
+    fused XLA form and the Pallas TPU flash and splash kernels (interpret mode), against float64 on the same bf16 values. Small
     scores (as at init) make A1 ≈ A2, the case where bf16 per-head outputs put it 14% (XLA) and 40% (Pallas) off
     (before float32 operands); now the fused two are within 5e-5 and the explicit path 3.7e-3 (q·1/√D rounded to
     bf16: scaling the float32 scores instead made a test model's logits NaN, tests/test_generate.py)."""
@@ -129,8 +129,15 @@ def test_differential_lambda_gradient_matches_float64_through_every_kernel():
             return jnp.sum(attention.rms_norm(o, jnp.ones(16), 1e-5) * cot)
         return float(jax.jit(jax.grad(loss))(jnp.float32(0.35)))
 
+    got = {impl: grad(impl) for impl in ("explicit", "xla")}
+    # The TPU kernels: flash in the TPU interpreter, splash in Pallas' generic one (the TPU interpreter does not run
+    # splash's scalar-prefetched mask tables).
+    monkeypatch.setattr(kernels.tpu, "PREFERRED", "flash")
     with pltpu.force_tpu_interpret_mode():
-        got = {impl: grad(impl) for impl in ("explicit", "xla", "pallas")}
+        got["flash"] = grad("pallas")
+    monkeypatch.setattr(kernels.tpu, "PREFERRED", "splash")
+    monkeypatch.setattr(kernels.tpu, "INTERPRET", True)
+    got["splash"] = grad("pallas")
     for impl, g in got.items():
         assert abs(g / ref - 1) < 5e-3, (impl, g, ref)
 
