@@ -69,6 +69,20 @@ def backend() -> str | None:
     return "tokamax" if _tokamax() is not None else None
 
 
+def interpreted_gradient_missing() -> str | None:
+    """Why the Pallas GPU kernel's gradient cannot run in Pallas' interpreter (INTERPRET) with this install, or None
+    where it can (jax's own kernel)."""
+    which = backend()
+    if which == "jax":
+        return None
+    if which is None:
+        return (f"jax {jax.__version__} has no Pallas GPU attention (jax.experimental.pallas.ops.gpu.attention, "
+                "removed in jax 0.12) and tokamax is not installed (the `gpu` extra)")
+    return (f"jax {jax.__version__} has no Pallas GPU attention of its own and tokamax's Pallas Triton kernel runs "
+            "in Pallas' interpreter forward only: its causal backward kernel leaves a program_id that the "
+            "interpreter does not replace (no MLIR rule for 'program_id' on CPU)")
+
+
 def pallas_supports(head_dim: int, seq_len: int) -> bool:
     """Shapes the Pallas GPU kernel takes: T in whole blocks (or one power-of-two block of at least 16; 32 for
     tokamax's), and a head dim of 16..128 (Triton's dots need 16; the float32 tiles of wider heads outgrow shared
