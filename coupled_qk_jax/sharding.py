@@ -305,7 +305,14 @@ def under_mesh(fn: Callable, mesh: Mesh) -> Callable:
 
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):
-        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        abstract = mesh.abstract_mesh
+        # An abstract mesh of the same axes in context is kept, with its device: a program traced for another
+        # device kind than this host's (kernels.gpu.abstract_gpu: a GPU's Triton kernels lowered on a CPU host).
+        outer = jax.sharding.get_abstract_mesh()
+        if (getattr(outer, "abstract_device", None) is not None and outer.axis_names == abstract.axis_names
+                and outer.axis_sizes == abstract.axis_sizes and outer.axis_types == abstract.axis_types):
+            abstract = outer
+        with jax.sharding.use_abstract_mesh(abstract):
             return fn(*args, **kwargs)
 
     return wrapped

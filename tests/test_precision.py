@@ -146,6 +146,8 @@ def test_differential_lambda_gradient_matches_float64_through_the_pallas_gpu_ker
     """Issue 25.5: the same λ gradient through the Pallas GPU kernel (interpret mode; head dim 16, its minimum, and
     T = 64, one block), from bf16 q, k, v with small scores (A1 ≈ A2): the kernel gets float32 operands and returns
     float32 per-head outputs, so it is within 5e-4 of float64, as the other fused kernels are."""
+    if why := kernels.gpu.interpreted_gradient_missing():
+        pytest.skip(why)
     monkeypatch.setattr(kernels.gpu, "INTERPRET", True)
     ks = jax.random.split(jax.random.key(1), 4)
     q, k = ((0.1 * jax.random.normal(kk, (2, 64, 4, 16))).astype(jnp.bfloat16) for kk in ks[:2])
