@@ -16,7 +16,8 @@ pieces (steps.py, optimizer.py, sharding.py) and orbax:
 Each process builds the same global batch for step s from a seeded generator and feeds only its own rows
 (sharding.process_batch_slice) to sharding.global_batch, exactly as a data loader on each host would. Every process
 prints `LOSS <step> <float.hex>` per step, after training `EXPORT <sha256 of export.flatten_params of the params>
-<whether a weight is fully addressable here>`, and `DONE <process> <processes> <devices>` at the end.
+<whether a weight is fully addressable here>`, and `DONE <process> <processes> <devices>` at the end; first
+`COMPILATION_CACHE <whether JAX's persistent compilation cache is on>`.
 """
 
 from __future__ import annotations
@@ -55,6 +56,9 @@ def main(argv=None) -> int:
     multi = initialize_distributed(initialization_timeout=60)
 
     import jax
+
+    # Off in a multi-process CPU run (distributed.symmetric_compilation_cache); the test session's cache otherwise.
+    print(f"COMPILATION_CACHE {jax.config.jax_enable_compilation_cache}", flush=True)
     import numpy as np
     import orbax.checkpoint as ocp
 
