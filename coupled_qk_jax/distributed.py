@@ -21,6 +21,11 @@ Where the cluster description comes from, first match wins:
 
 If none applies, or the process count is 1, nothing is initialised (a single-process run needs no coordinator).
 COUPLED_QK_DISTRIBUTED=off disables everything.
+
+On the CPU backend a multi-process run turns JAX's persistent compilation cache off (`symmetric_compilation_cache`):
+there JAX keys an entry by a topology fingerprint that differs from process to process, and only process 0 writes,
+so in a rerun (a resume) process 0 would load its cached programs while the others compile theirs afresh. On jaxlib
+0.12 such a pair of programs deadlocks in its first gloo collective.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import glob
 import importlib.util
+import logging
 import os
 from typing import Mapping, Sequence
 
@@ -155,6 +161,26 @@ def initialize_distributed(coordinator_address: str | None = None, num_processes
                                    process_id=plan.process_id, **kwargs)
     else:
         jax.distributed.initialize(**kwargs)
+    symmetric_compilation_cache()
+    return True
+
+
+def symmetric_compilation_cache() -> bool:
+    """Turn JAX's persistent compilation cache off in a multi-process run on CPU; return whether it was turned off.
+
+    Every process of a run must execute the same programs, and a program loaded from the cache is not the same as a
+    freshly compiled one: on jaxlib 0.12 a process that runs a cached train step and one that runs a compiled one
+    wait for each other forever in the step's first cross-process (gloo) all-gather. On CPU the two are mixed in
+    every rerun that finds the cache, since JAX keys an entry by a topology fingerprint that differs from process to
+    process (each one's local devices) while only process 0 writes entries: process 0 hits its own, the others always
+    miss. (jaxlib 0.10 happened to run such a mix to the end.) Called by `initialize_distributed`, before the first
+    compilation, where JAX decides once per process whether to use the cache.
+    """
+    if jax.process_count() == 1 or jax.default_backend() != "cpu" or not jax.config.jax_enable_compilation_cache:
+        return False
+    jax.config.update("jax_enable_compilation_cache", False)
+    logging.getLogger(__name__).info("multi-process CPU run: persistent compilation cache off (its entries differ "
+                                     "from process to process)")
     return True
 
 

@@ -18,7 +18,8 @@ Each process builds the same global batch for step s from a seeded generator and
 --device-order interleaved builds the mesh over the devices taken from each process in turn (as a TPU pod's ICI
 order mixes hosts), so a process's rows are not one block. Every process
 prints `LOSS <step> <float.hex>` per step, after training `EXPORT <sha256 of export.flatten_params of the params>
-<whether a weight is fully addressable here>`, and `DONE <process> <processes> <devices>` at the end.
+<whether a weight is fully addressable here>`, and `DONE <process> <processes> <devices>` at the end; first
+`COMPILATION_CACHE <whether JAX's persistent compilation cache is on>`.
 """
 
 from __future__ import annotations
@@ -59,6 +60,9 @@ def main(argv=None) -> int:
     multi = initialize_distributed(initialization_timeout=60)
 
     import jax
+
+    # Off in a multi-process CPU run (distributed.symmetric_compilation_cache); the test session's cache otherwise.
+    print(f"COMPILATION_CACHE {jax.config.jax_enable_compilation_cache}", flush=True)
     import numpy as np
     import orbax.checkpoint as ocp
 

@@ -243,7 +243,10 @@ def test_unscanned_blocks_are_checkpointed_only_where_something_is_dropped():
         graphdef, params = steps.split_model(TransformerLM(cfg, 0))
         tokens = jnp.zeros((2, 16), jnp.int32)
         loss = lambda p: steps.make_loss_fn(graphdef)(p, {"inputs": tokens, "targets": tokens})[0]
-        mesh = jax.sharding.AbstractMesh((1, fsdp, 1), sharding.MESH_AXES)
+        # Auto axes, as sharding.make_mesh builds them: AbstractMesh's default became Explicit in jax 0.11, where
+        # with_sharding_constraint asserts a sharding instead of setting one.
+        mesh = jax.sharding.AbstractMesh((1, fsdp, 1), sharding.MESH_AXES,
+                                         axis_types=(jax.sharding.AxisType.Auto,) * len(sharding.MESH_AXES))
         with jax.sharding.use_abstract_mesh(mesh):
             return _checkpoints(jax.make_jaxpr(loss)(params).jaxpr)
 

@@ -112,6 +112,11 @@ def test_two_process_train_checkpoint_resume_equals_one_process(tmp_path):
     assert done(one) == (0, 1, 4)
     assert [done(o) for o in two] == [(0, 2, 4), (1, 2, 4)]
     assert [done(o) for o in resumed] == [(0, 2, 4), (1, 2, 4)]
+    # The resume reruns the training's programs: with the session's persistent compilation cache on, process 0
+    # would load its cached train step and process 1 compile its own, and on jaxlib 0.12 the two deadlock in their
+    # first gloo all-gather (distributed.symmetric_compilation_cache). The 1-process run is the positive control.
+    assert "COMPILATION_CACHE True" in one
+    assert all("COMPILATION_CACHE False" in o for o in two + resumed)
     reference = losses(one)
     assert sorted(reference) == [1, 2, 3, 4, 5]
     assert len(set(reference.values())) == 5, "the loss must change from step to step (else nothing is trained)"
