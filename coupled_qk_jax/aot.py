@@ -57,6 +57,8 @@ def topology_devices(topology: str, num_slices: int = 1) -> list:
     if not libtpu_installed():
         raise UserError(f"compiling for {topology} needs libtpu: pip install \"jax[tpu]=={jax.__version__}\" (or "
                         "pip install \"coupled-qk-jax[tpu]\")")
+    # A description claims no chip: another process holding libtpu (a training run, a second compile) is no conflict.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     from jax.experimental import topologies  # noqa: PLC0415
 
     kwargs = {"num_slices": num_slices} if num_slices > 1 else {}

@@ -6,10 +6,12 @@ lane, tests/conftest.py).
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from coupled_qk_jax.config import ModelConfig
@@ -52,3 +54,18 @@ def grad_fn(cfg: ModelConfig):
     graphdef, _ = steps.split_model(nnx.eval_shape(lambda: TransformerLM(cfg, 0)))
     loss_fn = steps.make_loss_fn(graphdef)
     return jax.jit(jax.value_and_grad(lambda p: loss_fn(p, BATCH)[0]))
+
+
+# Set by .ci/run in a lane whose jax has a libtpu to install: the TPU topology tests then fail without it instead of
+# skipping (on Python 3.12 the registry may serve no libtpu for the newest jax, and that lane says so).
+REQUIRE_LIBTPU_ENV = "COUPLED_QK_JAX_REQUIRE_LIBTPU"
+
+
+def skip_without_libtpu() -> None:
+    """Skip the calling test where libtpu is not installed, or fail it where CI installed it for this jax."""
+    import importlib.util  # noqa: PLC0415
+
+    if importlib.util.find_spec("libtpu") is None:
+        if os.environ.get(REQUIRE_LIBTPU_ENV):
+            pytest.fail(f"libtpu is missing but {REQUIRE_LIBTPU_ENV} is set: pip install \"jax[tpu]==<jax version>\"")
+        pytest.skip("libtpu is not installed (pip install \"jax[tpu]==<jax version>\")")

@@ -5,12 +5,11 @@
 slice_index) from the CPU; the meshes are built exactly as training builds them (sharding.make_mesh, i.e.
 jax.make_mesh over those devices). The reference for every host's rows is computed here from the mesh's device
 array alone: the device at mesh position (i, j, k) holds row block i*fsdp + j. Without libtpu these tests skip,
-except under CI (the CI environment variable set), where they fail.
+except in a CI lane that installed it for its jax (programs.skip_without_libtpu), where they fail.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
 
 import numpy as np
@@ -19,13 +18,12 @@ import pytest
 from coupled_qk_jax import sharding as shd
 from coupled_qk_jax.errors import UserError
 
+from programs import skip_without_libtpu
+
 
 def topology_devices(name: str, **kwargs) -> list:
     """The devices of the TPU topology ``name`` (e.g. "v5e:4x4"), described by libtpu from the CPU."""
-    if importlib.util.find_spec("libtpu") is None:
-        if os.environ.get("CI"):
-            pytest.fail("libtpu is not installed: the TPU topology tests need it (pip install libtpu)")
-        pytest.skip("libtpu is not installed")
+    skip_without_libtpu()
     # Only a description is made (no chip is claimed); concurrent test processes must not refuse each other.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     from jax.experimental import topologies  # noqa: PLC0415

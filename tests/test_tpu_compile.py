@@ -8,13 +8,11 @@ kernels (Mosaic custom calls: forward, and the backward's dQ and dK/dV), every o
 program compiled at all. Shapes are tiny (one layer, d_model 64, T = 128, one kernel block) so that a compile costs
 a few seconds.
 
-libtpu is an optional extra (`pip install "jax[tpu]==<jax version>"`); without it these tests skip, except under CI
-(the CI variable set), where a missing libtpu fails them: .ci/run installs it.
+libtpu is an optional extra (`pip install "jax[tpu]==<jax version>"`); without it these tests skip, except in a CI lane
+that installed it for its jax (COUPLED_QK_JAX_REQUIRE_LIBTPU set by .ci/run), where a missing libtpu fails them.
 """
 
 from __future__ import annotations
-
-import os
 
 import pytest
 
@@ -23,6 +21,8 @@ from coupled_qk_jax.config import ALL_VARIANTS, ModelConfig
 from coupled_qk_jax.errors import UserError
 from coupled_qk_jax.training.config import DataConfig, MeshConfig, RunConfig, TrainConfig
 
+from programs import skip_without_libtpu
+
 T = 128
 MESHES = ((4, 1, 1), (2, 1, 2), (1, 2, 2))
 DTYPES = ("bfloat16", "float32")
@@ -30,10 +30,7 @@ DTYPES = ("bfloat16", "float32")
 
 @pytest.fixture(scope="module")
 def v5e_2x2():
-    if not aot.libtpu_installed():
-        if os.environ.get("CI"):
-            pytest.fail("libtpu is missing: CI must install it (pip install \"jax[tpu]==<jax version>\")")
-        pytest.skip("libtpu is not installed (pip install \"jax[tpu]==<jax version>\")")
+    skip_without_libtpu()
     devices = aot.topology_devices("v5e:2x2")
     assert len(devices) == 4 and {d.platform for d in devices} == {"tpu"}
     return devices
