@@ -22,11 +22,6 @@ import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # noqa: E402
-
-from coupled_qk_jax import aot  # noqa: E402
-from coupled_qk_jax.config import ALL_VARIANTS  # noqa: E402
-
 
 def config(variant: str, scale: str, chips: int):
     """configs/lm.py's config for VARIANT,SCALE on a pure FSDP mesh of `chips`, one sequence per chip."""
@@ -40,6 +35,11 @@ def config(variant: str, scale: str, chips: int):
 
 
 def main() -> None:
+    import jax  # noqa: PLC0415 - after configure_process
+
+    from coupled_qk_jax import aot  # noqa: PLC0415
+    from coupled_qk_jax.config import ALL_VARIANTS  # noqa: PLC0415
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--variants", default="coupled_euler", help="comma-separated, or 'all'")
     parser.add_argument("--scales", default="60m,150m,350m")
@@ -80,6 +80,10 @@ def main() -> None:
 
 
 def table(rows: list[dict], command: str, commit: str) -> str:
+    import jax  # noqa: PLC0415
+
+    from coupled_qk_jax import aot  # noqa: PLC0415
+
     lines = [f"`{command}` at {commit}, jax {jax.__version__} with libtpu's compiler, on a CPU host. Per chip; "
              "train = one optimiser step (forward, backward, AdamW) on one sequence per chip. est. ms: the TPU "
              "compiler's own step-time estimate. kernels: Pallas custom calls inside a shard_map region / all.", "",
@@ -101,4 +105,7 @@ def table(rows: list[dict], command: str, commit: str) -> str:
 
 
 if __name__ == "__main__":
+    from coupled_qk_jax.startup import configure_process
+
+    configure_process()  # the CPU malloc settings, before JAX starts (coupled_qk_jax/startup.py)
     main()
