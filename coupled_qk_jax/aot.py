@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
-import sys
 import time
 from typing import Any
 
@@ -30,7 +29,6 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 
 from coupled_qk_jax import sharding as shd  # noqa: E402
 from coupled_qk_jax.errors import UserError  # noqa: E402
@@ -139,9 +137,9 @@ class StepReport:
         return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes + self.code_bytes
 
 
-def _compile(name: str, jitted: Any, *args: Any, **kwargs: Any) -> tuple[StepReport, Any]:
+def _compile(name: str, jitted: Any, *args: Any) -> StepReport:
     t0 = time.perf_counter()
-    lowered = jitted.lower(*args, **kwargs)
+    lowered = jitted.lower(*args)
     compiled = lowered.compile()
     seconds = time.perf_counter() - t0
     mem = compiled.memory_analysis()
@@ -155,7 +153,7 @@ def _compile(name: str, jitted: Any, *args: Any, **kwargs: Any) -> tuple[StepRep
                         float(cost.get("bytes accessed", 0.0)),
                         float(estimate) if estimate is not None and estimate > 0 else None,
                         shd.collective_counts(compiled.as_text()), inside, total)
-    return report, compiled
+    return report
 
 
 def _with_shardings(abstract: Any, shardings: Any) -> Any:
@@ -196,7 +194,7 @@ def compile_steps(cfg: Any, devices: list, steps: tuple[str, ...] = ("train", "e
                            "steps": []}
     if "train" in steps:
         state = _with_shardings(layout.abstract_state, layout.shardings)
-        report, _ = _compile("train", loop.make_sharded_train_step(setup), state,
+        report = _compile("train", loop.make_sharded_train_step(setup), state,
                              {"inputs": tokens, "targets": tokens})
         out["steps"].append(report)
     if "eval" in steps:
@@ -205,7 +203,7 @@ def compile_steps(cfg: Any, devices: list, steps: tuple[str, ...] = ("train", "e
         step = shd.jit_sharded(steps_lib.make_eval_step(layout.graphdef), mesh, layout.param_shardings)
         params = _with_shardings(jax.tree.map(lambda x: x[0] if lead else x, layout.abstract_state["params"]),
                                  layout.param_shardings)
-        report, _ = _compile("eval", step, params, {"inputs": eval_tokens, "targets": eval_tokens})
+        report = _compile("eval", step, params, {"inputs": eval_tokens, "targets": eval_tokens})
         out["steps"].append(report)
     if "decode" in steps:
         abstract_model = nnx.eval_shape(lambda: TransformerLM(run.model, seeds[0]))
@@ -219,7 +217,7 @@ def compile_steps(cfg: Any, devices: list, steps: tuple[str, ...] = ("train", "e
         token = jax.ShapeDtypeStruct((n,), jnp.int32, sharding=rows_1d)
         scalar = jax.ShapeDtypeStruct((), jnp.int32, sharding=rep)
         key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=rep)
-        report, _ = _compile("decode", gen._decode, params, cache, token, token, scalar, key, Sampling())
+        report = _compile("decode", gen._decode, params, cache, token, token, scalar, key, Sampling())
         out["steps"].append(report)
     return out
 
