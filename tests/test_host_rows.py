@@ -171,9 +171,33 @@ def test_single_process_checkpoints_from_before_host_rows_resume():
     with open(meta, encoding="utf-8") as f:
         old = json.load(f)["data_stream"]
     assert (old["process_index"], old["process_count"], old["batch_size_per_host"]) == (0, 1, 8)
-    now = {"task": "lm", **train_stream_spec(np.zeros(7763, np.uint16), 32, 8, 0, np.arange(8), bos_id=256),
-           "seed": [0]}
-    assert now["rows"] == [[0, 8]] and now["batch_size"] == 8
+    now = {"task": "lm", **train_stream_spec(np.zeros(7763, np.uint16), 32, 8, 0, bos_id=256), "seed": [0]}
+    assert now["batch_size"] == 8 and "rows" not in now
     assert upgrade_stream_spec(old) == now
     two_hosts = {**old, "process_count": 2, "batch_size_per_host": 4}
     assert upgrade_stream_spec(two_hosts) == two_hosts
+    # A spec that recorded the saving host's rows: the global stream is the same on any number of hosts.
+    assert upgrade_stream_spec({**now, "rows": [[0, 4]]}) == now
+
+
+def test_an_older_checkpoints_per_process_iterator_state_is_checked_against_the_step(tmp_path):
+    """Older versions saved grain's iterator state per process beside the arrays; this version's data position is
+    the step, so that state is only read to check that it agrees (tests/fixtures/run_v1 saved at steps 3 and 6)."""
+    import shutil  # noqa: PLC0415
+
+    from coupled_qk_jax.training.checkpoint import Checkpointer  # noqa: PLC0415
+
+    fixture = os.path.join(os.path.dirname(__file__), "fixtures", "run_v1", "checkpoints")
+    shutil.copytree(fixture, tmp_path / "checkpoints")
+    ck = Checkpointer(tmp_path / "checkpoints", read_only=True)
+    try:
+        assert [ck.legacy_data_position(step) for step in ck.all_steps()] == [3, 6]
+        # A second process's file that disagrees: the position is unknown, one line.
+        (tmp_path / "checkpoints" / "6" / "data" / "process_1-of-2.json").write_text('{"next_index": 5}')
+        with pytest.raises(UserError, match=r"checkpoint step 6 in .*: its per-process data iterator states disagree"):
+            ck.legacy_data_position(6)
+        (tmp_path / "checkpoints" / "3" / "data" / "process_0-of-1.json").write_text("{")
+        with pytest.raises(UserError, match=r"checkpoint step 3 in .*: its data iterator state .* cannot be read"):
+            ck.legacy_data_position(3)
+    finally:
+        ck.close()

@@ -13,7 +13,7 @@ import pytest
 from configs import lm, mqar
 from coupled_qk_jax.errors import UserError
 from coupled_qk_jax.training import loop, loop_parts
-from coupled_qk_jax.training.config import EarlyStopConfig, RunConfig, TrainConfig, configdict
+from coupled_qk_jax.training.config import CheckpointConfig, EarlyStopConfig, RunConfig, TrainConfig, configdict
 from coupled_qk_jax.training.loop_parts import Cadence, LossWindow, SavePolicy, ThroughputMeter, first_nonfinite
 from test_training import tiny_config
 
@@ -149,14 +149,36 @@ def test_run_reads_the_save_clock_once_per_log_interval(tmp_path, monkeypatch):
 # ------------------------------------------------------------------------------------------------- typed config
 def test_config_files_hold_the_dataclass_defaults():
     """configs/lm.py sets only its scale's values; everything else is TrainConfig's / EarlyStopConfig's default."""
+    run = RunConfig.from_configdict(lm.get_config("coupled_euler,tiny"))
+    assert run.train == TrainConfig(steps=2000, batch_size=16, lr=3e-3)
+    assert run.checkpoint == CheckpointConfig() and run.model.dtype == "float32"
     run = RunConfig.from_configdict(lm.get_config("coupled_euler,60m"))
-    assert run.train == TrainConfig(steps=20000, batch_size=64, lr=6e-4)
+    assert run.train == TrainConfig(steps=4500, batch_size=256, lr=6e-4, warmup_steps=90, eval_batches=64)
     assert run.data.seq_len == 1024 and run.data.corpus == "stdlib" and run.mesh.data == -1
-    assert run.checkpoint.every_seconds == 600.0 and run.mqar is None and run.scale == "60m"
+    assert run.mqar is None and run.scale == "60m"
     m = RunConfig.from_configdict(mqar.get_config("standard,easy"))
     spe = m.mqar.steps_per_epoch
     assert m.task == "mqar" and spe > 0 and m.train.steps == 16 * spe and m.checkpoint.every == spe
     assert m.train.warmup_steps == m.train.steps // 20 and m.train.eval_every == 2 * spe
+
+
+@pytest.mark.parametrize("scale", ["60m", "150m", "350m"])
+def test_accelerator_scales_default_to_bf16_a_pod_sized_batch_sampled_evaluation_and_timed_checkpoints(scale):
+    run = RunConfig.from_configdict(lm.get_config(f"coupled_euler,{scale}"))
+    assert run.model.dtype == "bfloat16" and run.model.scan_layers
+    for chips in (8, 16, 32, 64, 128, 256):  # the global batch splits evenly over every power-of-two slice
+        assert run.train.batch_size % chips == 0
+    # About 20 tokens per parameter (Chinchilla): within 10% at this batch.
+    params = {"60m": 57.8e6, "150m": 153e6, "350m": 355e6}[scale]
+    tokens = run.train.steps * run.train.batch_size * run.data.seq_len
+    assert 18 <= tokens / params <= 22, tokens / params
+    # A periodic evaluation (forward only: a third of a training step's FLOPs per token) costs under 5% of the
+    # training between two of them; the end and eval.py still score the whole split.
+    eval_tokens = run.train.eval_batches * (run.train.eval_batch_size or run.train.batch_size)
+    train_tokens = run.train.eval_every * run.train.batch_size
+    assert 0 < eval_tokens / 3 <= 0.05 * train_tokens
+    # Saves by the clock, not by steps: at most every 20 minutes, and at the end.
+    assert run.checkpoint.every == run.train.steps and 0 < run.checkpoint.every_seconds <= 1200
 
 
 def test_config_mistakes_are_one_line_user_errors():

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import pathlib
 import re
+import shutil
 import subprocess
 import sys
 
@@ -186,12 +187,32 @@ def _train_losses(workdir: pathlib.Path) -> dict[int, float]:
     return out
 
 
-def test_train_py_two_processes_matches_one_process(tmp_path):
-    """`train.py` itself: 2 processes x 2 CPU devices (mesh fsdp=2 across the processes, tensor=2) vs 1 process x
-    4 devices. Each host reads its rows of the same global batches (sharding.host_batch_rows), so the batches
-    are the 1-process run's; the losses are compared to fp32 summation order. The two processes share one token cache
-    directory: process 0 tokenises into it (and says so), process 1 waits and reads it; the 1-process run, with a
-    cache of its own, is the positive control for the "tokenising" line."""
+def _start_train_py(workdir: pathlib.Path, corpus: pathlib.Path, cache: pathlib.Path, n_processes: int,
+                    local_devices: int, extra: tuple[str, ...] = ()) -> list[subprocess.Popen]:
+    """train.py in n_processes processes of local_devices CPU devices (a coordinator on a free port when > 1)."""
+    cmd = _train_cmd(workdir, corpus, cache) + list(extra)
+    if n_processes == 1:
+        return [subprocess.Popen(cmd, cwd=ROOT, env=_env(local_devices, {}), stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, text=True)]
+    port = pytest.importorskip("portpicker").pick_unused_port()
+    procs = []
+    for pid in range(n_processes):
+        cluster = {distributed.ENV_COORDINATOR: f"127.0.0.1:{port}", distributed.ENV_NUM_PROCESSES: str(n_processes),
+                   distributed.ENV_PROCESS_ID: str(pid)}
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=_env(local_devices, cluster), stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    return procs
+
+
+def test_train_py_two_processes_matches_one_process_and_resumes_on_any_host_count(tmp_path):
+    """`train.py` itself: 2 processes x 2 CPU devices (mesh fsdp=2 across the processes, tensor=2) stop at step 2
+    with a checkpoint, against an uninterrupted 1 process x 4 devices run to step 4. Each host reads its rows of the
+    same global batches (sharding.host_batch_rows), so the batches are the 1-process run's; the losses are
+    compared to fp32 summation order. The 2-process checkpoint then resumes on 1 process x 4 devices and on 2
+    processes x 2 devices: the data position is the step, not per-process loader state, so both continue with the
+    uninterrupted run's batches and losses. The two processes share one token cache directory: process 0 tokenises
+    into it (and says so), process 1 waits and reads it; the 1-process run, with a cache of its own, is the positive
+    control for the "tokenising" line."""
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
@@ -202,24 +223,17 @@ def test_train_py_two_processes_matches_one_process(tmp_path):
         (corpus / f"doc{i}.txt").write_text(" ".join(rng.choice(words, size=300)) + "\n")
     procs = []
     try:
-        procs.append(subprocess.Popen(_train_cmd(tmp_path / "one", corpus, tmp_path / "cache_one"), cwd=ROOT,
-                                      env=_env(4, {}), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-        portpicker = pytest.importorskip("portpicker")
-        port = portpicker.pick_unused_port()
-        for pid in range(2):
-            cluster = {distributed.ENV_COORDINATOR: f"127.0.0.1:{port}", distributed.ENV_NUM_PROCESSES: "2",
-                       distributed.ENV_PROCESS_ID: str(pid)}
-            procs.append(subprocess.Popen(_train_cmd(tmp_path / "two", corpus, tmp_path / "cache_two"), cwd=ROOT,
-                                          env=_env(2, cluster), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                          text=True))
+        procs += _start_train_py(tmp_path / "one", corpus, tmp_path / "cache_one", 1, 4)
+        procs += _start_train_py(tmp_path / "two", corpus, tmp_path / "cache_two", 2, 2,
+                                 ("--config.train.stop_after=2",))
     finally:
         outs = join(procs)
     one, two = _train_losses(tmp_path / "one"), _train_losses(tmp_path / "two")
     assert sorted(one) == [1, 2, 3, 4], outs[0][-3000:]
-    assert sorted(two) == sorted(one), outs[1][-3000:]
-    for step in one:
+    assert sorted(two) == [1, 2], outs[1][-3000:]
+    for step in two:
         assert two[step] == pytest.approx(one[step], rel=1e-5), (step, one, two)
-    assert (tmp_path / "two" / "checkpoints").is_dir()
+    assert (tmp_path / "two" / "checkpoints" / "2").is_dir()
     tokenised = [[line for line in out.splitlines() if line.startswith("tokenising ")] for out in outs]
     assert len(tokenised[0]) == 1, outs[0][-3000:]  # the 1-process run tokenised into its own cache
     assert len(tokenised[1]) == 1 and tokenised[1][0].endswith("(process 0)"), outs[1][-3000:]
@@ -228,6 +242,22 @@ def test_train_py_two_processes_matches_one_process(tmp_path):
     entries = list((tmp_path / "cache_two" / "tokens").iterdir())
     assert [e.name for e in entries] == [e.name for e in (tmp_path / "cache_one" / "tokens").iterdir()], entries
     assert sorted(f.name for f in entries[0].iterdir()) == ["manifest.json", "test.bin", "train.bin", "validation.bin"]
+
+    for name in ("on_one", "on_two"):
+        shutil.copytree(tmp_path / "two", tmp_path / name)
+    procs = []
+    try:
+        procs += _start_train_py(tmp_path / "on_one", corpus, tmp_path / "cache_two", 1, 4)
+        procs += _start_train_py(tmp_path / "on_two", corpus, tmp_path / "cache_two", 2, 2)
+    finally:
+        outs = join(procs)
+    for name, out in zip(("on_one", "on_two"), outs[:2]):
+        assert "resuming from" in out and "at step 2" in out, out[-3000:]
+        resumed = _train_losses(tmp_path / name)
+        assert sorted(resumed) == [1, 2, 3, 4], out[-3000:]
+        for step in (3, 4):
+            assert resumed[step] == pytest.approx(one[step], rel=1e-5), (name, step, one, resumed)
+    assert not [o for o in outs if "tokenising " in o]
 
 
 # ------------------------------------------------------------------------------- eval.py, export.py, sample.py
@@ -285,7 +315,6 @@ def test_readers_on_two_processes_equal_one_process(tmp_path):
 
     expected = json.loads((ROOT / "tests" / "fixtures" / "run_v1_expected.json").read_text())
     run = tmp_path / "run_v1"
-    import shutil
 
     shutil.copytree(FIXTURE, run)
     mesh = "--mesh=fsdp:4"

@@ -240,19 +240,17 @@ def test_readers_restore_the_params_only_and_verify_what_they_read(fixture_run, 
 
 
 def test_keep_best_keeps_the_lowest_validation_loss_besides_the_last(tmp_path):
-    import grain
     import jax.numpy as jnp
 
     ck = Checkpointer(tmp_path / "ck", keep_last=1, keep_best="validation_loss", async_save=False)
-    data_iter = iter(grain.MapDataset.range(10).to_iter_dataset())
     for step, loss in zip((1, 2, 3, 4, 5), (3.0, 1.0, 2.0, 0.5, None)):
         state = {"params": {"w": jnp.full(3, float(step))}, "step": jnp.asarray(step)}
-        ck.save(step, state, data_iter, {"config": {}}, None if loss is None else {"validation_loss": loss})
+        ck.save(step, state, {"config": {}}, None if loss is None else {"validation_loss": loss})
     assert ck.all_steps() == [4, 5]  # step 4 the best, step 5 the last (saved without an evaluation)
     ck.close()
     plain = Checkpointer(tmp_path / "plain", keep_last=1, async_save=False)  # positive control: without it, one
     for step in (1, 2):
-        plain.save(step, {"w": jnp.ones(2)}, data_iter, {"config": {}}, {"validation_loss": 3.0 - step})
+        plain.save(step, {"w": jnp.ones(2)}, {"config": {}}, {"validation_loss": 3.0 - step})
     assert plain.all_steps() == [2]
     plain.close()
     with pytest.raises(UserError, match="checkpoint.keep_best must be one of"):

@@ -19,9 +19,10 @@ no weight). Consecutive windows form batches, so a batch may span two epochs: ro
 element ``i*B + r`` of the window stream, however many hosts there are. A host reads only its ``rows`` of each
 global batch (``sharding.host_batch_rows``: any set of rows, since on a TPU pod a host's rows need not be one
 block); the hosts that hold different rows read disjoint windows, and together exactly the single-host batches.
-The iterator is a ``grain.DatasetIterator``: ``get_state()/set_state()`` and
-``grain.checkpoint.CheckpointSave/CheckpointRestore`` (orbax) restore it exactly; :func:`train_stream_spec` is
-what a checkpoint records beside that state to refuse restoring it into a different stream.
+The stream is random access (:func:`train_batches`), its order a pure function of the seed, so its position is
+the index of the next global batch, the training step: a checkpoint needs no iterator state, and a run resumes on
+any number of hosts (``make_train_iterator(..., start=step)``). :func:`train_stream_spec` is what a checkpoint
+records to refuse resuming into a different stream.
 
 Evaluation (:func:`eval_batches`): the windows in order, so every token is predicted exactly once; the rows that
 fill the last batch are padded with IGNORE_INDEX targets, so shapes stay static (no recompile) and every host runs
@@ -134,26 +135,15 @@ def train_windows(tokens: np.ndarray, seq_len: int, seed: int, *, bos_id: int | 
     return grain.MapDataset.range(num_windows(n, seq_len, bos_id=bos_id)).seed(seed).shuffle().repeat()
 
 
-def train_stream_spec(tokens: np.ndarray, seq_len: int, batch_size: int, seed: int,
-                      rows: Sequence[int] | np.ndarray | None = None, *, bos_id: int | None = None) -> dict[str, Any]:
-    """What determines the batch stream of :func:`make_train_iterator` besides its position: a checkpoint stores
-    this beside the iterator state, and restoring into a stream with another spec is refused (the saved position
-    would silently index other windows). ``rows`` are recorded as [start, stop) runs."""
+def train_stream_spec(tokens: np.ndarray, seq_len: int, batch_size: int, seed: int, *,
+                      bos_id: int | None = None) -> dict[str, Any]:
+    """What determines the sequence of global batches of :func:`train_batches` besides the position: a checkpoint
+    stores this, and resuming into a stream with another spec is refused (the step would index other windows).
+    Independent of the hosts and their rows."""
     n = int(tokens.shape[0])
-    mine = _host_rows(rows, batch_size)
     return {"format": "windows-v2", "split_tokens": n, "seq_len": int(seq_len), "batch_size": int(batch_size),
-            "rows": row_runs(np.arange(batch_size) if mine is None else mine), "seed": int(seed),
-            "bos_id": None if bos_id is None else int(bos_id),
+            "seed": int(seed), "bos_id": None if bos_id is None else int(bos_id),
             "windows_per_epoch": num_windows(n, seq_len, bos_id=bos_id)}
-
-
-def row_runs(rows: Sequence[int] | np.ndarray) -> list[list[int]]:
-    """Ascending rows as [start, stop) runs: [0, 1, 2, 3, 12, 13] -> [[0, 4], [12, 14]]."""
-    r = np.asarray(rows, dtype=np.int64).reshape(-1)
-    if r.size == 0:
-        return []
-    breaks = np.flatnonzero(np.diff(r) != 1) + 1
-    return [[int(run[0]), int(run[-1]) + 1] for run in np.split(r, breaks)]
 
 
 def train_batches(tokens: np.ndarray, seq_len: int, batch_size: int, seed: int,
@@ -171,7 +161,8 @@ def train_batches(tokens: np.ndarray, seq_len: int, batch_size: int, seed: int,
 
 def make_train_iterator(tokens: np.ndarray, seq_len: int, batch_size: int, seed: int,
                         rows: Sequence[int] | np.ndarray | None = None, *, bos_id: int | None = None,
-                        num_threads: int = 2, prefetch_buffer_size: int = 8) -> grain.DatasetIterator:
+                        start: int = 0, num_threads: int = 2,
+                        prefetch_buffer_size: int = 8) -> grain.DatasetIterator:
     """Infinite iterator of training batches for one host.
 
     Args:
@@ -181,14 +172,15 @@ def make_train_iterator(tokens: np.ndarray, seq_len: int, batch_size: int, seed:
       seed: same seed -> same stream; checkpoint the iterator, not the seed, to resume mid-run.
       rows: the rows of each global batch this host reads, ascending (``sharding.host_batch_rows``); None = all.
       bos_id: the end-of-text id to put before the split, so that all N tokens are targets (module docstring).
+      start: the global batch to begin with: a resumed run's step.
       num_threads, prefetch_buffer_size: grain ``ReadOptions``; each element is a whole batch, gathered with one
         vectorised index, so two threads already far exceed what a CPU-scale model consumes.
 
     Returns:
       A ``grain.DatasetIterator`` yielding ``{"inputs": [n, T] int32, "targets": [n, T] int32}``, n = len(rows);
-      it supports ``get_state()/set_state()`` and ``grain.checkpoint.CheckpointSave/CheckpointRestore``.
+      its first element is global batch ``start``.
     """
-    ds = train_batches(tokens, seq_len, batch_size, seed, rows, bos_id=bos_id)
+    ds = train_batches(tokens, seq_len, batch_size, seed, rows, bos_id=bos_id)[start:]
     read = grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=prefetch_buffer_size)
     return iter(ds.to_iter_dataset(read))
 

@@ -1,11 +1,16 @@
-"""Checkpoints: one orbax CheckpointManager per workdir holding the train state, the data iterator and a meta record.
+"""Checkpoints: one orbax CheckpointManager per workdir holding the train state and a meta record.
 
 Layout (``WORKDIR/checkpoints``)::
 
     <step>/state/    params, opt_state, step   (orbax StandardSave: sharded arrays, restored into given shardings)
-    <step>/data/     process_<i>-of-<n>.json   (grain iterator state, one file per host)
     <step>/meta/     JSON: the run's config, its data fingerprint, the training stream's spec
                      (``pipeline.train_stream_spec``), the open train-loss window, and a checksum of every state leaf
+
+No data-loader state is saved: the training batches are a random-access dataset whose order is a pure function of
+the seed, so the data position is the step itself (batch ``i`` is global batch ``i`` on any number of hosts), and
+a checkpoint written by N processes resumes on M. Checkpoints of older versions also hold ``<step>/data/`` (grain
+iterator state, one file per process); it is read only to check that it agrees with the step
+(:meth:`Checkpointer.legacy_data_position`).
 
 orbax writes each step into a temporary directory and renames it when every item is complete, so a crash (even
 SIGKILL) during a save leaves the previous checkpoints untouched and the half-written one invisible; leftover
@@ -22,6 +27,7 @@ half-written temporary directory.
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import os
 import re
@@ -33,16 +39,16 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from etils import epath
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as policies
 
-import grain
-
 from coupled_qk_jax.errors import UserError
 
-ITEMS = ("state", "data", "meta")
+ITEMS = ("state", "meta")
+LEGACY_DATA_ITEM = "data"  # older versions' per-process grain iterator state
 KEEP_BEST = ("", "validation_loss")  # checkpoint.keep_best
 _TMP_MARK = ".orbax-checkpoint-tmp"
 
@@ -238,9 +244,8 @@ class Checkpointer:
         return meta
 
     # -- saving ------------------------------------------------------------------------------------------------
-    def save(self, step: int, state: dict, data_iter: grain.DatasetIterator, meta: dict[str, Any],
-             metrics: dict[str, float] | None = None) -> None:
-        """Saves all three items under ``step`` (forced: our loop decides when to save). ``meta`` gets the state's
+    def save(self, step: int, state: dict, meta: dict[str, Any], metrics: dict[str, float] | None = None) -> None:
+        """Saves both items under ``step`` (forced: our loop decides when to save). ``meta`` gets the state's
         checksums added; ``metrics`` (e.g. ``{"validation_loss": x}``) rank the step for ``keep_best``. Raises CheckpointSaveError (after removing the temporary directory) if this save or the
         previous asynchronous one failed."""
         self.check_saved()
@@ -248,7 +253,6 @@ class Checkpointer:
         try:
             self.manager.save(step, args=ocp.args.Composite(
                 state=ocp.args.StandardSave(state),
-                data=grain.checkpoint.CheckpointSave(data_iter),
                 meta=ocp.args.JsonSave(record)), metrics=metrics, force=True)
         except Exception as e:  # noqa: BLE001 - disk full, permissions...: reported as one line by the caller
             self._failed(step, e)
@@ -320,11 +324,10 @@ class Checkpointer:
                 shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
 
     # -- restoring ---------------------------------------------------------------------------------------------
-    def restore(self, step: int, target: dict, data_iter: grain.DatasetIterator | None = None, *,
-                partial: bool = False) -> tuple[dict, dict]:
+    def restore(self, step: int, target: dict, *, partial: bool = False) -> tuple[dict, dict]:
         """``(state, meta)`` of checkpoint ``step``: the state restored into ``target`` (a tree of
         ``jax.ShapeDtypeStruct`` with shardings: arrays come back already placed, resharded if the mesh changed)
-        and verified against its stored checksums; if given, the data iterator is restored in place.
+        and verified against its stored checksums.
 
         ``partial``: ``target`` names only some of the saved state's top-level entries (a reader's
         ``{"params": ...}``): only their arrays are read from disk, and every saved checksum under those entries is
@@ -336,8 +339,6 @@ class Checkpointer:
                                                     restore_args=ocp.checkpoint_utils.construct_restore_args(target))}
         else:
             args = {"state": ocp.args.StandardRestore(target)}
-        if data_iter is not None:
-            args["data"] = grain.checkpoint.CheckpointRestore(data_iter)
         try:
             state = self.manager.restore(step, args=ocp.args.Composite(**args))["state"]
         except Exception as e:  # noqa: BLE001 - truncated / missing files surface as many exception types
@@ -354,9 +355,8 @@ class Checkpointer:
             raise DamagedCheckpoint(f"{len(names)} array(s) differ from their saved checksums, e.g. {names[0]}")
         return state, meta
 
-    def restore_newest_intact(self, target: dict, data_iter: grain.DatasetIterator | None = None,
-                              on_damaged: Callable[[int, str], None] | None = None, *, partial: bool = False
-                              ) -> tuple[int, dict, dict] | None:
+    def restore_newest_intact(self, target: dict, on_damaged: Callable[[int, str], None] | None = None, *,
+                              partial: bool = False) -> tuple[int, dict, dict] | None:
         """``(step, state, meta)`` of the newest checkpoint that restores and verifies, or None when there is no
         checkpoint at all. Each damaged newer step is reported with a one-line warning on stderr and passed to
         ``on_damaged(step, reason)``. ``partial``: as in :meth:`restore`. Raises UserError when every checkpoint is
@@ -365,7 +365,7 @@ class Checkpointer:
         reasons = []
         for step in reversed(steps):
             try:
-                state, meta = self.restore(step, target, data_iter, partial=partial)
+                state, meta = self.restore(step, target, partial=partial)
             except DamagedCheckpoint as e:
                 reasons.append(f"step {step}: {e}")
                 older = [s for s in steps if s < step]
@@ -381,6 +381,26 @@ class Checkpointer:
             raise UserError(f"no intact checkpoint in {self.directory} ({'; '.join(reasons)}); restore the files "
                             f"or start a new run in another --workdir")
         return None
+
+    def legacy_data_position(self, step: int) -> int | None:
+        """The data position that an older version saved with checkpoint ``step`` (its grain iterator's
+        ``next_index``, one file per process, all equal), or None when the checkpoint holds none (this version's).
+        Raises UserError when the files disagree with each other or are unreadable: the position would be unknown."""
+        folder = epath.Path(self.directory) / str(step) / LEGACY_DATA_ITEM
+        if not folder.is_dir():
+            return None
+        positions = {}
+        for path in sorted(folder.glob("process_*-of-*.json")):
+            try:
+                positions[path.name] = int(json.loads(path.read_text())["next_index"])
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                raise UserError(f"checkpoint step {step} in {self.directory}: its data iterator state {path} cannot "
+                                f"be read ({_first_line(e)}); restore the file or resume from another step") from None
+        if len(set(positions.values())) != 1:
+            raise UserError(f"checkpoint step {step} in {self.directory}: its per-process data iterator states "
+                            f"disagree or are missing ({positions or 'no process_*.json'}); restore the files or "
+                            f"resume from another step")
+        return positions.popitem()[1]
 
     def drop_unverified(self, step: int) -> int | None:
         """After a non-finite loss at ``step + 1``: the params saved at ``step`` produced it (a loss is computed

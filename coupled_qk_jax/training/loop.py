@@ -47,7 +47,7 @@ from jax.sharding import PartitionSpec as P
 
 from coupled_qk_jax import sharding as shd
 from coupled_qk_jax.config import ModelConfig
-from coupled_qk_jax.data.pipeline import row_runs, train_stream_spec
+from coupled_qk_jax.data.pipeline import train_stream_spec
 from coupled_qk_jax.data.token_cache import (
     TokenCache, data_fingerprint, find_token_cache, shared_token_cache, source_contents, tokenizer_sha256)
 from coupled_qk_jax.errors import UserError
@@ -302,17 +302,18 @@ class _StackSeeds:
         return {k: np.stack([item[k] for item in items]) for k in items[0]}
 
 
-def make_data_iterator(s: Setup) -> grain.DatasetIterator:
-    """This host's checkpointable iterator of training batches: the task's dataset for the run's seed, or with
-    several seeds element i of every seed's dataset stacked ([S, B_host, T]), so one iterator position (one
-    checkpointed state) serves every seed and seed i sees exactly the single run's batches."""
+def make_data_iterator(s: Setup, start: int) -> grain.DatasetIterator:
+    """This host's iterator of training batches from global batch ``start`` (the step a run starts or resumes at):
+    the task's dataset for the run's seed, or with several seeds element i of every seed's dataset stacked
+    ([S, B_host, T]), so that seed i sees exactly the single run's batches. The datasets are random access and their
+    order is a pure function of the seed, so the step alone positions the stream, on any number of hosts."""
     # The rows of each global batch that this host's devices hold: processes that hold the same rows (a tensor
     # axis across hosts) load the same data, and on a TPU pod a host's rows need not be one block.
     rows = shd.host_batch_rows(s.mesh, jax.process_index(), s.config.train.batch_size)
     datasets = [s.task.train_dataset(seed, rows) for seed in s.seeds]
     ds = datasets[0] if len(datasets) == 1 else grain.MapDataset.range(len(datasets[0])).map(_StackSeeds(datasets))
     read = grain.ReadOptions(num_threads=s.config.data.num_threads, prefetch_buffer_size=8)
-    return iter(ds.to_iter_dataset(read))
+    return iter(ds[start:].to_iter_dataset(read))
 
 
 def next_batch(s: Setup, data_iter: grain.DatasetIterator) -> dict[str, jax.Array]:
@@ -321,28 +322,28 @@ def next_batch(s: Setup, data_iter: grain.DatasetIterator) -> dict[str, jax.Arra
 
 
 def stream_spec(s: Setup) -> dict[str, Any]:
-    """What fixes this host's training batch stream besides its position, saved beside the iterator state: a
-    restore into a stream with another spec is refused (the saved position would index other batches)."""
+    """What fixes the run's sequence of global training batches besides the step, saved with every checkpoint: a
+    resume into a stream with another spec is refused (the step would index other batches). It says nothing of the
+    hosts: which rows a host reads follows from the mesh, so a run resumes on any number of them."""
     batch_size, seq_len = s.config.train.batch_size, s.config.data.seq_len
-    rows = shd.host_batch_rows(s.mesh, jax.process_index(), batch_size)
     if s.task.name == "lm":
-        spec = train_stream_spec(s.cache.tokens("train"), seq_len, batch_size, s.seeds[0], rows,
-                                 bos_id=s.cache.eot_id)
+        spec = train_stream_spec(s.cache.tokens("train"), seq_len, batch_size, s.seeds[0], bos_id=s.cache.eot_id)
     else:
-        spec = {"batches_per_epoch": len(s.task.train), "batch_size": batch_size, "rows": row_runs(rows)}
+        spec = {"batches_per_epoch": len(s.task.train), "batch_size": batch_size}
     return {"task": s.task.name, **spec, "seed": list(s.seeds)}
 
 
 def upgrade_stream_spec(spec: dict[str, Any]) -> dict[str, Any]:
-    """A checkpoint's stream spec in this version's terms. Single-process checkpoints from before host rows
-    recorded (process_index 0, process_count 1, batch_size_per_host B): the same stream as every row of a batch of
-    B, so they resume. A multi-process one from then is left as it is and refused: its hosts read interleaved
-    windows, not rows of the global batch."""
-    if "process_count" not in spec or spec["process_count"] != 1:
-        return spec
-    out = {k: v for k, v in spec.items() if k not in ("process_index", "process_count", "batch_size_per_host")}
-    b = int(spec["batch_size_per_host"])
-    return {**out, "batch_size": b, "rows": [[0, b]]}
+    """A checkpoint's stream spec in this version's terms. Older versions recorded the rows of the saving host
+    (``rows``): dropped, since a global batch is the same on any number of hosts. Single-process checkpoints from
+    before host rows recorded (process_index 0, process_count 1, batch_size_per_host B): the same stream as a
+    global batch of B, so they resume. A multi-process one from then is left as it is and refused: its hosts read
+    interleaved windows, not rows of the global batch."""
+    out = {k: v for k, v in spec.items() if k != "rows"}
+    if "process_count" not in out or out["process_count"] != 1:
+        return out
+    out = {k: v for k, v in out.items() if k not in ("process_index", "process_count", "batch_size_per_host")}
+    return {**out, "batch_size": int(spec["batch_size_per_host"])}
 
 
 def per_seed(metrics: dict[str, Any], num_seeds: int) -> dict[str, Any]:
@@ -400,12 +401,12 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True
             lock.release()
 
 
-def _restore_or_init(s: Setup, data_iter: Any, config_json: dict[str, Any], workdir: str,
+def _restore_or_init(s: Setup, config_json: dict[str, Any], workdir: str,
                      fingerprint: dict[str, Any], stream: dict[str, Any]) -> tuple[dict, dict[str, Any]]:
     """(state, meta of the restored checkpoint or {}). The newest intact checkpoint is used; newer damaged ones are
     moved to WORKDIR/damaged_checkpoints (named in a warning), never deleted."""
     damaged: list[int] = []
-    found = s.checkpointer.restore_newest_intact(abstract_target(s.abstract_state, s.shardings), data_iter,
+    found = s.checkpointer.restore_newest_intact(abstract_target(s.abstract_state, s.shardings),
                                                  on_damaged=lambda step, _: damaged.append(step))
     if damaged:  # out of the manager's sight, or the resumed run would save into the damaged step's name
         s.checkpointer.close()
@@ -423,8 +424,16 @@ def _restore_or_init(s: Setup, data_iter: Any, config_json: dict[str, Any], work
     saved_stream = upgrade_stream_spec(meta.get("data_stream", {}))
     if saved_stream != stream:
         diffs = rundir.config_differences(saved_stream, stream)
-        raise UserError(f"checkpoint step {step} in {s.checkpointer.directory} holds a data iterator of another "
-                        f"stream ({'; '.join(f'{k}: checkpoint {a!r}, now {b!r}' for k, (a, b) in diffs.items())})")
+        raise UserError(f"checkpoint step {step} in {s.checkpointer.directory} was trained on another stream of "
+                        f"batches ({'; '.join(f'{k}: checkpoint {a!r}, now {b!r}' for k, (a, b) in diffs.items())})")
+    legacy = s.checkpointer.legacy_data_position(step)
+    if legacy is not None:  # an older version's per-process iterator state: it must say what the step says
+        if legacy != step:
+            raise UserError(f"checkpoint step {step} in {s.checkpointer.directory}: its saved data iterator stands at "
+                            f"batch {legacy}, not {step}; resume from another step or start a new --workdir")
+        if jax.process_index() == 0:
+            print(f"note: checkpoint step {step} holds an older version's per-process data iterator state; it agrees "
+                  f"with the step, which is the data position from now on", flush=True)
     s.latest = step
     if jax.process_index() == 0:
         print(f"resuming from {s.checkpointer.directory} at step {step}", flush=True)
@@ -443,11 +452,11 @@ def _start(run: RunConfig, config_json: dict[str, Any], workdir: str,
         print(f"warning: skipped {s.task.summary()['skipped_non_utf8']} non-UTF-8 file(s) in {run.data.corpus} "
               f"(see the token cache manifest)", flush=True)
     try:
-        # Data: this host's slice of one seeded stream of batches per seed.
-        data_iter = make_data_iterator(s)
+        # State: restored (arrays land directly in their shardings) or fresh; then this host's rows of the
+        # seeded stream of global batches, from the state's step.
         stream = stream_spec(s)
-        # State: restored (arrays land directly in their shardings, the iterator at its saved position) or fresh.
-        state, meta = _restore_or_init(s, data_iter, config_json, workdir, fingerprint, stream)
+        state, meta = _restore_or_init(s, config_json, workdir, fingerprint, stream)
+        data_iter = make_data_iterator(s, int(np.asarray(state["step"]).reshape(-1)[0]))
         schedule = _extend_schedule(s, workdir, changes)
         if main:
             rundir.write_json(os.path.join(workdir, rundir.CONFIG), rundir.config_with_schema(config_json))
@@ -659,7 +668,7 @@ def _train_locked(run: RunConfig, config_json: dict[str, Any], workdir: str, pro
                 # A step evaluated just now is ranked by its validation loss (checkpoint.keep_best; mean over seeds).
                 ranked = ({"validation_loss": float(np.mean(val[LOSS_METRIC[s.task.name]]))} if val_at == step
                           else None)
-                s.checkpointer.save(step, state, data_iter, {**extras, "train_window": window.meta()}, ranked)
+                s.checkpointer.save(step, state, {**extras, "train_window": window.meta()}, ranked)
                 last_saved = step
                 saves.saved(time.monotonic())
             if stop_requested:
