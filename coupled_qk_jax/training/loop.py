@@ -143,7 +143,9 @@ def load_data(run: RunConfig, *, run_tokenizer: str | None = None, tokenizer_sha
             raise UserError(f"data.max_bytes and data.split_fractions do not apply to {spec}: its splits were fixed "
                             "when it was prepared (python -m coupled_qk_jax.data.prepare --max_bytes, "
                             "--split_fractions)")
-        cache: Any = open_tokens(spec.path or "", vocab_size=vocab_size)
+        # Sizes only: start-up must not grow with the corpus (every host would read all of it); the prepare job,
+        # run again on the directory, checks every shard's SHA-256 and rewrites a damaged one.
+        cache: Any = open_tokens(spec.path or "", vocab_size=vocab_size, verify=False)
         if cache.vocab_size > vocab_size:
             raise UserError(f"vocab mismatch: {spec} has vocab {cache.vocab_size}, more than model.vocab_size "
                             f"{vocab_size}")
