@@ -248,8 +248,9 @@ def test_nanogpt_folder(tmp_path):
 
 def test_training_on_a_prepared_directory_reads_no_corpus_and_hashes_no_shard(tmp_path, monkeypatch):
     """A tiny LM trains a few steps on tokens:DIR (the train split in several shards). The data fingerprint comes from
-    the manifest: file_sha256 (which hashes corpus files) and the token cache are never called."""
-    from tests.test_training import tiny_config
+    the manifest: file_sha256 (which hashes corpus files), the shards' own checksum and the token cache are never
+    called, so start-up reads no token file whole."""
+    from test_training import tiny_config
 
     from coupled_qk_jax.training import loop
 
@@ -264,6 +265,7 @@ def test_training_on_a_prepared_directory_reads_no_corpus_and_hashes_no_shard(tm
         raise AssertionError("must not be called for a tokens: corpus")
 
     monkeypatch.setattr(token_cache, "file_sha256", forbidden)
+    monkeypatch.setattr(prepared, "_sha256_of", forbidden)
     monkeypatch.setattr(loop, "shared_token_cache", forbidden)
     workdir = tmp_path / "run"
     summary = loop.train(cfg, str(workdir), progress=False)
@@ -311,7 +313,7 @@ def test_two_processes_open_prepared_tokens_without_tokenising(tmp_path):
     tokenising, no barrier around it) and then meet at a collective."""
     portpicker = pytest.importorskip("portpicker")
     from coupled_qk_jax import distributed
-    from tests.test_multihost import _env, join
+    from test_multihost import _env, join
 
     spec = write_corpus(tmp_path / "corpus")
     manifest = prep.prepare(spec, tmp_path / "prepared", tokenizer="byte", **SMALL)
