@@ -14,6 +14,9 @@ Kinds:
 * ``hf`` - any Hugging Face dataset by name, config and text field, from the hub or a local parquet/arrow/json/csv
   folder or file or a ``save_to_disk`` folder; ``datasets`` (the ``[hf]`` extra) is imported only here.
 * ``mixture`` - weighted sources, for heterogeneous-corpus experiments.
+* ``tokens`` - token ids already prepared: a directory written by ``python -m coupled_qk_jax.data.prepare`` (shards
+  and a manifest) or a nanoGPT-style folder (``train.bin``, ``val.bin``). It holds no text, so
+  :func:`iter_documents` refuses it; the trainer opens it with ``coupled_qk_jax.data.prepared.open_tokens``.
 
 File-based corpora split *by file*: a file's split is a function of the SHA-256 of its path relative to the corpus
 root alone, so adding or removing other files never moves it, and the split is the same on every machine.
@@ -44,7 +47,7 @@ TEXT_SUFFIXES: tuple[str, ...] = (".txt", ".md", ".rst", ".py")
 STDLIB_EXCLUDED_DIRS: frozenset[str] = frozenset(
     {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"})
 WIKITEXT_FILES: dict[str, str] = {"train": "wiki.train.raw", "validation": "wiki.valid.raw", "test": "wiki.test.raw"}
-KINDS: tuple[str, ...] = ("stdlib", "text_dir", "wikitext103", "hf", "mixture")
+KINDS: tuple[str, ...] = ("stdlib", "text_dir", "wikitext103", "hf", "mixture", "tokens")
 
 
 class CorpusError(UserError):
@@ -57,7 +60,7 @@ class CorpusSpec:
 
     Attributes:
       kind: one of :data:`KINDS`.
-      path: root directory for ``text_dir`` and ``wikitext103``.
+      path: root directory for ``text_dir``, ``wikitext103`` and ``tokens``.
       name, config, text_field: the Hugging Face dataset (``hf`` only): a hub name or a local file or folder.
       sources: ``((spec, weight), ...)`` for ``mixture``; weights are relative shares of the mixture's text.
       split_fractions: (train, validation, test) fractions for file-based splitting (and for ``hf`` datasets that
@@ -86,7 +89,7 @@ class CorpusSpec:
             raise CorpusError(f"split_fractions must be three non-negative numbers summing to 1, got {fr}")
         object.__setattr__(self, "split_fractions", fr)
         object.__setattr__(self, "suffixes", tuple(self.suffixes))
-        if self.kind in ("text_dir", "wikitext103") and not self.path:
+        if self.kind in ("text_dir", "wikitext103", "tokens") and not self.path:
             raise CorpusError(f"corpus kind {self.kind!r} needs a directory: {self.kind}:/path/to/dir")
         if self.kind == "hf" and not self.name:
             raise CorpusError("corpus kind 'hf' needs a dataset name: hf:NAME[:CONFIG[:TEXT_FIELD]]")
@@ -105,14 +108,14 @@ class CorpusSpec:
     def parse(cls, text: str) -> "CorpusSpec":
         """Parses the string form used in configs and on command lines.
 
-        ``stdlib`` | ``text_dir:DIR`` | ``wikitext103:DIR`` | ``hf:NAME[:CONFIG[:TEXT_FIELD]]`` |
+        ``stdlib`` | ``text_dir:DIR`` | ``wikitext103:DIR`` | ``tokens:DIR`` | ``hf:NAME[:CONFIG[:TEXT_FIELD]]`` |
         ``mixture:SPEC@WEIGHT;SPEC@WEIGHT;...`` (e.g. ``mixture:stdlib@1;text_dir:/data/shakespeare@2``).
         """
         text = text.strip()
         kind, _, rest = text.partition(":")
         if kind == "stdlib" and not rest:
             return cls("stdlib")
-        if kind in ("text_dir", "wikitext103"):
+        if kind in ("text_dir", "wikitext103", "tokens"):
             return cls(kind, path=rest)
         if kind == "hf":
             parts = rest.split(":")
@@ -134,7 +137,7 @@ class CorpusSpec:
                     raise CorpusError(f"mixture weight {weight!r} in {item!r} is not a number") from None
             return cls("mixture", sources=tuple(sources))
         raise CorpusError(f"cannot parse corpus spec {text!r}; expected stdlib, text_dir:DIR, wikitext103:DIR, "
-                          "hf:NAME[:CONFIG[:FIELD]] or mixture:SPEC@W;SPEC@W")
+                          "tokens:DIR, hf:NAME[:CONFIG[:FIELD]] or mixture:SPEC@W;SPEC@W")
 
     @classmethod
     def coerce(cls, spec: "CorpusSpec | str | dict[str, Any]") -> "CorpusSpec":
@@ -156,7 +159,7 @@ class CorpusSpec:
     def to_dict(self) -> dict[str, Any]:
         """JSON-able form; stable, so its hash keys the token cache. Directories are made absolute."""
         d = dataclasses.asdict(self)
-        d["path"] = os.path.abspath(os.path.expanduser(self.path)) if self.path else None
+        d["path"] = _absolute(self.path) if self.path else None
         if self.kind == "hf" and self.name and os.path.exists(os.path.expanduser(self.name)):
             d["name"] = os.path.abspath(os.path.expanduser(self.name))  # a local dataset: key it by where it is
         d["sources"] = [[s.to_dict(), w] for s, w in self.sources]
@@ -167,11 +170,16 @@ class CorpusSpec:
     def __str__(self) -> str:
         if self.kind == "stdlib":
             return "stdlib"
-        if self.kind in ("text_dir", "wikitext103"):
+        if self.kind in ("text_dir", "wikitext103", "tokens"):
             return f"{self.kind}:{self.path}"
         if self.kind == "hf":
             return f"hf:{self.name}:{self.config or ''}:{self.text_field}"
         return "mixture:" + ";".join(f"{s}@{w:g}" for s, w in self.sources)
+
+
+def _absolute(path: str) -> str:
+    """A local path made absolute; a URL such as ``gs://bucket/dir`` (prepared tokens may live there) kept as is."""
+    return path if "://" in path else os.path.abspath(os.path.expanduser(path))
 
 
 @dataclasses.dataclass
@@ -285,6 +293,10 @@ def source_fingerprint(spec: CorpusSpec | str) -> dict[str, Any]:
             st = p.stat()
             h.update(f"{p.name if p == local else p.relative_to(local)}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
         return {"kind": "hf", "files": len(files), "file_list_sha256": h.hexdigest()}
+    if spec.kind == "tokens":
+        from coupled_qk_jax.data.prepared import tokens_fingerprint  # noqa: PLC0415 - avoids an import cycle
+
+        return tokens_fingerprint(spec.path or "")
     return {"kind": "mixture", "sources": [source_fingerprint(s) for s, _ in spec.sources]}
 
 
@@ -488,6 +500,9 @@ def iter_documents(spec: CorpusSpec | str | dict[str, Any], split: str, *, stats
         docs = _read_wikitext(_wikitext_paths(spec)[split])
     elif spec.kind == "hf":
         docs = _read_hf(spec, split)
+    elif spec.kind == "tokens":
+        raise CorpusError(f"corpus {spec} holds token ids, not text: it can be trained on (data.corpus) but not "
+                          "read as documents, tokenised again or mixed")
     else:
         docs = _read_mixture(spec, split, stats)
     for doc in docs:

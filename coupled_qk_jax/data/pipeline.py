@@ -80,6 +80,8 @@ class _Gather:
         common = {"seq_len": self.seq_len, "bos_id": self.bos_id}
         if isinstance(t, np.memmap) and t.filename is not None:
             return {"memmap": (t.filename, t.dtype.str, t.shape, t.offset), **common}
+        if not isinstance(t, np.ndarray):  # an array-like over files (prepared.ShardedTokens) pickles by file name
+            return {"array": t, **common}
         return {"array": np.asarray(t), **common}
 
     def __setstate__(self, state: dict[str, Any]) -> None:

@@ -369,9 +369,14 @@ def source_contents(corpus: CorpusSpec | str | dict[str, Any]) -> dict[str, Any]
 
     Paths are relative, so a corpus moved to another directory (or machine) has the same contents. A hub dataset
     (``hf:NAME`` not on disk) is described by its name and config only; its documents' hashes are in the token
-    counts' ``text_sha256`` of :func:`data_fingerprint`.
+    counts' ``text_sha256`` of :func:`data_fingerprint`. Prepared token ids (``tokens:DIR``) are described by their
+    manifest (``prepared.tokens_contents``).
     """
     spec = CorpusSpec.coerce(corpus)
+    if spec.kind == "tokens":  # the prepare job's manifest holds every shard's SHA-256: no token file is read
+        from coupled_qk_jax.data.prepared import tokens_contents  # noqa: PLC0415
+
+        return tokens_contents(spec.path or "")
     if spec.kind in ("stdlib", "text_dir"):
         root, files = all_files(spec)
         entries = [[f, (root / f).stat().st_size, file_sha256(root / f), split_of(f, spec.split_fractions)]
@@ -394,8 +399,11 @@ def source_contents(corpus: CorpusSpec | str | dict[str, Any]) -> dict[str, Any]
 
 
 def tokenizer_sha256(cache: TokenCache) -> str:
-    """Identity of a cache entry's tokenizer: the canonical-JSON hash of its tokenizer.json, or "byte"."""
+    """Identity of a cache entry's tokenizer: the canonical-JSON hash of its tokenizer.json, or "byte". Prepared
+    tokens (``prepared.PreparedTokens``) carry it in their manifest."""
     info = cache.manifest["tokenizer"]
+    if info.get("sha256"):  # the same canonical-JSON hash, or "byte", or a nanoGPT folder's "ids:vocab=...:eot=..."
+        return str(info["sha256"])
     return "byte" if info["kind"] == "byte" else tokenizer_json_sha256(cache.directory / info["file"])
 
 
@@ -408,6 +416,9 @@ def data_fingerprint(corpus: CorpusSpec | str | dict[str, Any], cache: TokenCach
     spec = CorpusSpec.coerce(corpus)
     splits = {s: {k: cache.manifest["splits"][s][k] for k in ("tokens", "documents", "text_sha256", "tokens_sha256")}
               for s in SPLITS}
+    for s in SPLITS:  # a nanoGPT train file is known by its size and first and last MiB only (data/prepared.py)
+        if cache.manifest["splits"][s].get("head_tail_sha256"):
+            splits[s]["head_tail_sha256"] = cache.manifest["splits"][s]["head_tail_sha256"]
     info = cache.manifest["tokenizer"]
     return {"corpus": spec.to_dict(), "sources": sources if sources is not None else source_contents(spec),
             "splits": splits, "dtype": cache.manifest["dtype"],

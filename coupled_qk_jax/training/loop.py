@@ -48,6 +48,7 @@ from jax.sharding import PartitionSpec as P
 from coupled_qk_jax import sharding as shd
 from coupled_qk_jax.config import ModelConfig
 from coupled_qk_jax.data.pipeline import train_stream_spec
+from coupled_qk_jax.data.prepared import open_tokens
 from coupled_qk_jax.data.token_cache import (
     TokenCache, data_fingerprint, find_token_cache, shared_token_cache, source_contents, tokenizer_sha256)
 from coupled_qk_jax.errors import UserError
@@ -131,9 +132,24 @@ def load_data(run: RunConfig, *, run_tokenizer: str | None = None, tokenizer_sha
 
     On a resume (``tokenizer_sha``, the run's recorded tokenizer hash) the cache entry of these settings is reused
     only if it holds the run's tokenizer; otherwise the corpus is tokenised with the run's own copy
-    (``run_tokenizer``), so a BPE is never silently retrained under a run."""
+    (``run_tokenizer``), so a BPE is never silently retrained under a run.
+
+    A ``tokens:DIR`` corpus (token ids prepared by ``python -m coupled_qk_jax.data.prepare``, or a nanoGPT folder) is
+    opened where it is: no process tokenises, and there is no collective to wait on (every process opens it alone)."""
     data, vocab_size = run.data, run.model.vocab_size
     spec, cache_dir = data.corpus_spec(), os.path.expanduser(data.cache_dir)
+    if spec.kind == "tokens":
+        if data.max_bytes or data.fractions is not None:
+            raise UserError(f"data.max_bytes and data.split_fractions do not apply to {spec}: its splits were fixed "
+                            "when it was prepared (python -m coupled_qk_jax.data.prepare --max_bytes, "
+                            "--split_fractions)")
+        # Sizes only: start-up must not grow with the corpus (every host would read all of it); the prepare job,
+        # run again on the directory, checks every shard's SHA-256 and rewrites a damaged one.
+        cache: Any = open_tokens(spec.path or "", vocab_size=vocab_size, verify=False)
+        if cache.vocab_size > vocab_size:
+            raise UserError(f"vocab mismatch: {spec} has vocab {cache.vocab_size}, more than model.vocab_size "
+                            f"{vocab_size}")
+        return cache
     kwargs: dict[str, Any] = dict(tokenizer=data.tokenizer, vocab_size=vocab_size,
                                   tokenizer_path=data.tokenizer_path or None)
     cache = None

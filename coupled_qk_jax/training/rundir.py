@@ -375,7 +375,7 @@ def save_run_data(workdir: str, cache: Any, fingerprint: dict[str, Any]) -> None
     """Copy the tokenizer and the held-out splits of ``cache`` (a TokenCache) into WORKDIR, then write data.json
     (last: its presence means the rest is complete)."""
     info = cache.manifest["tokenizer"]
-    if info["kind"] != "byte":
+    if info["kind"] != "byte" and info.get("file"):  # a nanoGPT folder's ids have no tokenizer file
         shutil.copyfile(cache.directory / info["file"], os.path.join(workdir, TOKENIZER))
     held = Path(workdir) / HELD_OUT
     held.mkdir(exist_ok=True)
@@ -406,7 +406,9 @@ class RunData:
                          "tokenizer": fp["tokenizer"]}
         info = fp["tokenizer"]
         if info["kind"] == "byte":
-            self.tokenizer: Tokenizer = ByteTokenizer()
+            self.tokenizer: Tokenizer | None = ByteTokenizer()
+        elif info["kind"] == "ids":  # trained on a nanoGPT folder's ids: no tokenizer to decode with
+            self.tokenizer = None
         else:
             path = run_tokenizer_path(workdir)
             if path is None:
