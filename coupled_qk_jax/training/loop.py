@@ -42,8 +42,6 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from coupled_qk_jax import sharding as shd
 from coupled_qk_jax.config import ModelConfig
