@@ -1,14 +1,12 @@
 """One process of a multi-process (or single-process) CPU training run, for tests/test_multihost.py.
 
     python tests/multihost_worker.py --phase train  --workdir DIR --local-devices 2 --mesh 1,2,2 [--eval-mesh 1,1,4]
-    python tests/multihost_worker.py --phase resume --workdir DIR --local-devices 2 --mesh 1,2,2
 
 The cluster comes from COUPLED_QK_COORDINATOR / COUPLED_QK_NUM_PROCESSES / COUPLED_QK_PROCESS_ID (read by
 coupled_qk_jax.distributed); unset means a single process. It trains a tiny coupled_euler LM with the project's own
 pieces (steps.py, optimizer.py, sharding.py) and orbax:
 
   train:  steps 1..N, an orbax multi-host checkpoint after step --save-at, then on to N.
-  resume: restore the checkpoint into this mesh's shardings, check the step, train --save-at+1..N.
   --eval-mesh (train only, before training; the same processes, so no second cluster start-up):
           training.evaluate.evaluate_tokens of the initial params on that mesh over a fixed token stream (each host
           reads the windows of its batch slice); prints `EVAL <loss float.hex> <scored tokens>`.
@@ -34,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--phase", choices=("train", "resume"), required=True)
+    p.add_argument("--phase", choices=("train",), required=True)
     p.add_argument("--workdir", required=True, help="absolute; shared by all processes")
     p.add_argument("--local-devices", type=int, default=2, help="fake CPU devices in this process")
     p.add_argument("--mesh", default="1,2,2", help="data,fsdp,tensor")
@@ -70,7 +68,6 @@ def main(argv=None) -> int:
     from coupled_qk_jax.config import ModelConfig
     from coupled_qk_jax.model import TransformerLM
     from coupled_qk_jax.training import optimizer, steps
-    from coupled_qk_jax.training.checkpoint import abstract_target
     from coupled_qk_jax.training.config import TrainConfig
 
     assert jax.local_device_count() == args.local_devices, jax.local_devices()
@@ -113,23 +110,12 @@ def main(argv=None) -> int:
 
     ckpt_dir = os.path.join(os.path.abspath(args.workdir), "ckpt")
     mngr = ocp.CheckpointManager(ckpt_dir, options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True))
-    if args.phase == "train":
-        state, first = jax.device_put(host_state, shardings), 1
-    else:
-        latest = mngr.latest_step()
-        assert latest == args.save_at, f"latest checkpoint {latest}, expected {args.save_at}"
-        state = mngr.restore(latest, args=ocp.args.StandardRestore(abstract_target(host_state, shardings)))
-        restored_step = int(np.asarray(state["step"].addressable_data(0)))
-        assert restored_step == latest, restored_step
-        wq = state["params"]["blocks"][0]["attn"]["wq"]
-        assert wq.sharding.is_equivalent_to(shardings["params"]["blocks"][0]["attn"]["wq"], wq.ndim)
-        first = latest + 1
-
-    for step in range(first, args.steps + 1):
+    state = jax.device_put(host_state, shardings)
+    for step in range(1, args.steps + 1):
         state, metrics = train_step(state, batch_for(step))
         loss = float(np.asarray(metrics["loss"].addressable_data(0)))
         print(f"LOSS {step} {loss.hex()}", flush=True)
-        if args.phase == "train" and step == args.save_at:
+        if step == args.save_at:
             mngr.save(step, args=ocp.args.StandardSave(state))
             mngr.wait_until_finished()
     mngr.wait_until_finished()
