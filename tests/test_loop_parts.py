@@ -233,3 +233,13 @@ def test_train_refuses_a_bad_config_before_writing(tmp_path):
     with pytest.raises(UserError, match=r'did you mean "steps"'):
         loop.train(cfg, str(tmp_path / "never"), progress=False)
     assert not (tmp_path / "never").exists()
+
+
+def test_per_seed_means_and_lists_match_a_hand_computation():
+    three = {"loss": np.asarray([1.0, 2.0, 4.5], np.float32), "dt/layer0/head1": np.asarray([0.25, 0.5, 0.75]),
+             "tokens": 96, "grad_norm": np.asarray([[3.0], [3.0], [6.0]], np.float32)}
+    assert loop.per_seed(three, 3) == {"loss": 2.5, "loss/seeds": [1.0, 2.0, 4.5], "dt/layer0/head1": 0.5,
+                                       "dt/layer0/head1/seeds": [0.25, 0.5, 0.75], "tokens": 96, "grad_norm": 4.0,
+                                       "grad_norm/seeds": [3.0, 3.0, 6.0]}
+    one = {"loss": np.asarray(1.5, np.float32), "lr": np.asarray([0.125]), "step": 3}
+    assert loop.per_seed(one, 1) == {"loss": 1.5, "lr": 0.125, "step": 3}

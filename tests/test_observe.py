@@ -99,3 +99,33 @@ def test_compilation_cache_directory(tmp_path, monkeypatch):
     finally:
         jax.config.update("jax_enable_compilation_cache", True)
         jax.config.update("jax_compilation_cache_dir", session)
+
+
+def _tfrecords(path) -> list[bytes]:
+    """The records of a TFRecord file (an event file): u64 length, u32 crc, data, u32 crc; read by hand."""
+    import struct  # noqa: PLC0415
+
+    data, out, at = path.read_bytes(), [], 0
+    while at < len(data):
+        (length,) = struct.unpack("<Q", data[at:at + 8])
+        out.append(data[at + 12:at + 12 + length])
+        at += 12 + length + 4
+    return out
+
+
+def test_tensorboard_gets_every_scalar_of_a_log_line_in_one_event(tmp_path):
+    from tensorboardX.proto.event_pb2 import Event  # noqa: PLC0415
+
+    from coupled_qk_jax.training.writers import MetricsWriter  # noqa: PLC0415
+
+    writer = MetricsWriter(str(tmp_path), seeds=[3, 4])
+    writer.write(5, {"train_loss": 1.5, "train_loss/seeds": [1.0, 2.0], "lr": 0.125, "status": "ok"})
+    writer.write(10, {"val_loss": 2.5})
+    writer.close()
+    (events_file,) = (tmp_path / "tb").iterdir()
+    events = [Event.FromString(record) for record in _tfrecords(events_file)]
+    with_scalars = [e for e in events if e.summary.value]
+    assert [e.step for e in with_scalars] == [5, 10]  # one event per line, however many keys it has
+    assert {(e.step, v.tag): v.simple_value for e in with_scalars for v in e.summary.value} == {
+        (5, "train_loss"): 1.5, (5, "train_loss/seed_3"): 1.0, (5, "train_loss/seed_4"): 2.0, (5, "lr"): 0.125,
+        (10, "val_loss"): 2.5}
