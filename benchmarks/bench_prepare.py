@@ -5,8 +5,9 @@ the floor it is built on: the ``tokenizers`` library's own ``Tokenizer.encode_ba
 
 One BPE (``--vocab_size``, trained once on the train split, or ``--tokenizer PATH``) is used by every measurement, so
 the prepare figures time splitting, encoding, shard writing and hashing, not BPE training. The floor encodes every
-split's documents in ``--chunk_bytes`` batches with the bare library (no <|endoftext|>, no writing), so prepare's
-figures divided by it show what the job itself costs. Tokens/s counts the written token ids (document separators
+split's documents in ``--chunk_bytes`` batches with the bare library on one thread (no <|endoftext|>, no writing),
+the rate of one prepare worker's encoding alone, so prepare's figures divided by it show what the job itself costs;
+N workers can reach at most N times it. Tokens/s counts the written token ids (document separators
 included); MB/s counts UTF-8 text bytes read. Each figure is the best of ``--repeats`` runs (the least disturbed by
 other work on the machine). OUT.json holds every figure, the exact command, the commit, the CPU count and the load
 average before and after; OUT.md the table.
@@ -31,7 +32,8 @@ from coupled_qk_jax.reporting import code_commit  # noqa: E402
 
 
 def floor(tokenizer_path: str, spec: CorpusSpec, chunk_bytes: int) -> dict[str, float]:
-    """The bare library's encode_batch over every split's documents, in ``chunk_bytes`` batches, one process."""
+    """The bare library's encode_batch over every split's documents, in ``chunk_bytes`` batches, in one process on
+    one thread (a prepare worker's setting; the library's default would spread one call over every core)."""
     from tokenizers import Tokenizer  # noqa: PLC0415
 
     tk = Tokenizer.from_file(tokenizer_path)
@@ -46,9 +48,13 @@ def floor(tokenizer_path: str, spec: CorpusSpec, chunk_bytes: int) -> dict[str, 
                 buf, size = [], 0
     if buf:
         batches.append(buf)
-    t0 = time.perf_counter()
-    tokens = sum(len(e.ids) for batch in batches for e in tk.encode_batch(batch))
-    seconds = time.perf_counter() - t0
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # read by the library at every call
+    try:
+        t0 = time.perf_counter()
+        tokens = sum(len(e.ids) for batch in batches for e in tk.encode_batch(batch))
+        seconds = time.perf_counter() - t0
+    finally:
+        del os.environ["TOKENIZERS_PARALLELISM"]
     return {"seconds": seconds, "tokens": tokens, "text_bytes": text_bytes}
 
 

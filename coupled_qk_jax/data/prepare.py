@@ -31,6 +31,7 @@ first bad one on.
 from __future__ import annotations
 
 import collections
+import contextlib
 import concurrent.futures
 import hashlib
 import json
@@ -100,6 +101,21 @@ def _tokenizer_sha256(data: bytes) -> str:
 
 # -- workers ---------------------------------------------------------------------------------------------------------
 _WORKER: dict[str, Any] = {}
+_SERIAL_ENV = "TOKENIZERS_PARALLELISM"  # "false": encode_batch encodes on the calling thread (read at every call)
+
+
+@contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
+    """encode_batch on the calling thread only, for the one-worker job that encodes in this process."""
+    before = os.environ.get(_SERIAL_ENV)
+    os.environ[_SERIAL_ENV] = "false"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(_SERIAL_ENV, None)
+        else:
+            os.environ[_SERIAL_ENV] = before
 
 
 def _make_tokenizer(kind: str, tokenizer_json: str | None) -> Tokenizer:
@@ -110,10 +126,11 @@ def _make_tokenizer(kind: str, tokenizer_json: str | None) -> Tokenizer:
     return BPETokenizer(HFTokenizer.from_str(tokenizer_json or ""))
 
 
-def _init_worker(kind: str, tokenizer_json: str | None, dtype: str, threads: int) -> None:
-    # Each worker's encode_batch has its own Rust thread pool; sized so that the workers together fill the cores
-    # once instead of each starting one thread per core. Set before tokenizers first builds the pool.
-    os.environ["RAYON_NUM_THREADS"] = str(threads)
+def _init_worker(kind: str, tokenizer_json: str | None, dtype: str) -> None:
+    # One encoding thread per worker: --workers is the number of cores the job encodes on, and N single-threaded
+    # processes scale where N processes each starting a thread per core would fight over the cores.
+    os.environ["RAYON_NUM_THREADS"] = "1"
+    os.environ[_SERIAL_ENV] = "false"
     _WORKER["tok"] = _make_tokenizer(kind, tokenizer_json)
     _WORKER["dtype"] = np.dtype(dtype)
 
@@ -141,18 +158,22 @@ class _Encoder:
         self.pool: concurrent.futures.ProcessPoolExecutor | None = None
         if workers > 1:
             tok_json = tok.to_json() if isinstance(tok, BPETokenizer) else None
-            threads = max(1, (os.cpu_count() or 1) // workers)
             # spawn, not fork: the caller may have started threads (JAX, tokenizers' pool) that fork would copy
             # in an undefined state.
             self.pool = concurrent.futures.ProcessPoolExecutor(
                 workers, mp_context=multiprocessing.get_context("spawn"), initializer=_init_worker,
-                initargs=(tok.kind, tok_json, dtype.str, threads))
+                initargs=(tok.kind, tok_json, dtype.str))
 
     def map(self, chunks: Iterator[tuple[int, list[str] | None]]) -> Iterator[tuple[int, np.ndarray | None]]:
         """(index, chunk or None) -> (index, its tokens or None), in order; None chunks are skipped, not encoded."""
         if self.pool is None:
             for i, docs in chunks:
-                yield i, None if docs is None else _encode(self.tok, self.dtype, docs)
+                if docs is None:
+                    yield i, None
+                    continue
+                with _one_thread():
+                    tokens = _encode(self.tok, self.dtype, docs)
+                yield i, tokens
             return
         pending: collections.deque = collections.deque()
         for i, docs in chunks:
@@ -411,7 +432,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, help="output directory (local or gs://)")
     ap.add_argument("--tokenizer", default="bpe", help="bpe (trained on the train split) | byte | PATH/tokenizer.json")
     ap.add_argument("--vocab_size", type=int, default=None, help="the BPE's size (default 8192); else an upper bound")
-    ap.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 1) - 1))
+    ap.add_argument("--workers", type=int, default=os.cpu_count() or 1,
+                    help="encoding processes, one thread each (default: one per CPU)")
     ap.add_argument("--shard_tokens", type=int, default=DEFAULT_SHARD_TOKENS)
     ap.add_argument("--split_fractions", default="", help="train,validation,test fractions, e.g. 0.8,0.1,0.1")
     ap.add_argument("--max_bytes", type=int, default=0, help="cap on the text read per split (0 = none)")
