@@ -25,7 +25,6 @@ import functools
 import logging
 import os
 import re
-import shutil
 import sys
 import time
 from typing import Any, Callable
@@ -40,6 +39,7 @@ from orbax.checkpoint import checkpoint_managers as policies
 
 import grain
 
+from coupled_qk_jax import paths
 from coupled_qk_jax.errors import UserError
 
 ITEMS = ("state", "data", "meta")
@@ -180,8 +180,9 @@ class Checkpointer:
     """A thin wrapper over ``ocp.CheckpointManager`` that knows this project's three items.
 
     Args:
-      directory: where the step directories go; made absolute (orbax refuses relative paths, and with async saving
-        it would only say so from a background thread).
+      directory: where the step directories go; a local one is made absolute (orbax refuses relative paths, and
+        with async saving it would only say so from a background thread); a gs:// URL is used as given (orbax
+        writes it through tensorstore).
       keep_last: keep the latest ``keep_last`` checkpoints.
       keep_every: also keep every checkpoint whose step is a multiple of this (0 = off).
       keep_best: ``"validation_loss"``: also keep the checkpoint saved with the lowest ``metrics["validation_loss"]``
@@ -197,7 +198,8 @@ class Checkpointer:
             raise UserError(f"checkpoint.keep_last must be >= 1, got {keep_last}")
         if keep_every < 0:
             raise UserError(f"checkpoint.keep_every must be >= 0, got {keep_every}")
-        self.directory = os.path.abspath(os.path.expanduser(os.fspath(directory)))
+        directory = os.fspath(directory)
+        self.directory = paths.resolve(directory if paths.is_remote(directory) else os.path.expanduser(directory))
         keep: list[Any] = [policies.LatestN(n=keep_last)]
         if keep_every:
             keep.append(policies.EveryNSteps(interval_steps=keep_every))
@@ -281,7 +283,7 @@ class Checkpointer:
 
     def _completed_steps(self) -> list[int]:
         try:
-            return [int(d) for d in os.listdir(self.directory) if d.isdigit()]
+            return [int(d) for d in paths.listdir(self.directory) if d.isdigit()]
         except OSError:
             return []
 
@@ -298,7 +300,7 @@ class Checkpointer:
         while time.monotonic() < deadline:
             self.remove_temporaries()
             try:
-                names = os.listdir(self.directory)
+                names = paths.listdir(self.directory)
             except OSError:
                 return
             if any(_TMP_MARK in name for name in names):
@@ -312,12 +314,12 @@ class Checkpointer:
     def remove_temporaries(self) -> None:
         """Remove the temporary directories of unfinished saves (never a completed step)."""
         try:
-            names = os.listdir(self.directory)
+            names = paths.listdir(self.directory)
         except OSError:
             return
         for name in names:
             if _TMP_MARK in name:
-                shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+                paths.remove_tree(os.path.join(self.directory, name))
 
     # -- restoring ---------------------------------------------------------------------------------------------
     def restore(self, step: int, target: dict, data_iter: grain.DatasetIterator | None = None, *,

@@ -45,6 +45,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from coupled_qk_jax import paths
 from coupled_qk_jax import sharding as shd
 from coupled_qk_jax.config import ModelConfig
 from coupled_qk_jax.data.pipeline import row_runs, train_stream_spec
@@ -133,6 +134,9 @@ def load_data(run: RunConfig, *, run_tokenizer: str | None = None, tokenizer_sha
     only if it holds the run's tokenizer; otherwise the corpus is tokenised with the run's own copy
     (``run_tokenizer``), so a BPE is never silently retrained under a run."""
     data, vocab_size = run.data, run.model.vocab_size
+    if paths.is_remote(data.cache_dir):  # its entries are memory-mapped: they must be on this host's disk
+        raise UserError(f"data.cache_dir={data.cache_dir}: the token cache must be a local directory (a gs:// "
+                        f"workdir is fine)")
     spec, cache_dir = data.corpus_spec(), os.path.expanduser(data.cache_dir)
     kwargs: dict[str, Any] = dict(tokenizer=data.tokenizer, vocab_size=vocab_size,
                                   tokenizer_path=data.tokenizer_path or None)
@@ -385,12 +389,9 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True
     """
     t_start = time.time()
     run = RunConfig.from_configdict(cfg)  # every config mistake, before anything is written
-    workdir = os.path.abspath(workdir)
+    workdir = paths.resolve(workdir)  # a local path made absolute; a gs:// URL as given
     main = jax.process_index() == 0
-    try:
-        os.makedirs(workdir, exist_ok=True)
-    except OSError as e:
-        raise UserError(f"cannot create workdir {workdir}: {e.strerror or e}") from None
+    paths.makedirs(workdir, "workdir")
     lock = rundir.WorkdirLock(workdir) if main else None
     try:
         return _train_locked(run, rundir.jsonable(cfg.to_dict()), workdir, progress, return_state,
