@@ -22,11 +22,9 @@ emulator = pytest.importorskip("gcp_storage_emulator.server", reason="needs gcp-
 
 import portpicker  # noqa: E402
 
-from coupled_qk_jax import generate  # noqa: E402
 from coupled_qk_jax.errors import UserError  # noqa: E402
-from coupled_qk_jax.export import export_run, load_exported  # noqa: E402
+from coupled_qk_jax.export import load_exported  # noqa: E402
 from coupled_qk_jax.training import loop, rundir  # noqa: E402
-from coupled_qk_jax.training.run import Run  # noqa: E402
 from coupled_qk_jax.training.writers import read_metrics  # noqa: E402
 from test_training import tiny_config  # noqa: E402
 
@@ -82,6 +80,22 @@ def _objects(fs, prefix: str) -> set[str]:
     return {name[len(prefix) + 1:] for name in fs.find(prefix)}
 
 
+class _Cli:
+    """One of the repository's scripts in a subprocess (it inherits the emulator's settings), its output in files
+    (several run at once, and a full pipe would stall one)."""
+
+    def __init__(self, logs, script: str, *args: str) -> None:
+        self.out, self.err = logs / f"{script}.out", logs / f"{script}.err"
+        with open(self.out, "w") as out, open(self.err, "w") as err:
+            self.proc = subprocess.Popen([sys.executable, script, *args], cwd=ROOT, stdout=out, stderr=err,
+                                         env={**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu"})
+
+    def wait(self) -> tuple[int, str, str]:
+        """(exit status, stdout, stderr)."""
+        code = self.proc.wait(timeout=300)
+        return code, self.out.read_text(), self.err.read_text()
+
+
 def test_gs_run_trains_resumes_evaluates_samples_and_exports(tmp_path, gcs, monkeypatch):
     monkeypatch.chdir(tmp_path)  # a URL taken for a local path would appear here, as ./gs:/bucket/run
     workdir = f"gs://{BUCKET}/run"
@@ -109,30 +123,24 @@ def test_gs_run_trains_resumes_evaluates_samples_and_exports(tmp_path, gcs, monk
     assert json.loads(gcs.cat(f"{BUCKET}/run/summary.json"))["step"] == 4
     assert {n.split("/")[1] for n in _objects(gcs, f"{BUCKET}/run") if n.startswith("checkpoints/")} == {"2", "4"}
 
-    # Reading the run back, as eval.py, sample.py and export.py do.
-    run = Run.open(workdir)
-    assert run.steps == [2, 4]
-    result = run.evaluate("test")
+    # eval.py, sample.py and export.py on the gs:// run, as a user runs them (subprocesses inherit the emulator's
+    # settings; all three at once, as they only read the run), then what they wrote, read straight from the bucket.
+    procs = {script: _Cli(tmp_path, script, f"--workdir={workdir}", *args) for script, *args in (
+        ("eval.py", "--split=test"),
+        ("sample.py", "--ids=1,2,3", "--max_new_tokens=4", "--temperature=0"),
+        ("export.py", f"--out=gs://{BUCKET}/exported"))}
+    for script, proc in procs.items():
+        code, stdout, stderr = proc.wait()
+        assert code == 0, (script, stderr[-2000:])
+        if script == "sample.py":
+            assert "--- sample 1 of prompt ids 1,2,3: 4 new tokens" in stdout
+    result = json.loads(gcs.cat(f"{BUCKET}/run/eval/eval_test_step4.json"))
     assert result["step"] == 4 and result["tokens"] > 0 and np.isfinite(result["loss"])
-    written = rundir.write_eval_result(f"{workdir}/eval", result)
-    assert json.loads(gcs.cat(written.removeprefix("gs://")))["loss"] == result["loss"]
-    gen = generate.Generator(run.model(), vocab_limit=run.tokenizer.vocab_size)
-    [new] = gen.generate(generate.encode_prompts(run.tokenizer, ["the"]), 5, generate.Sampling(0.0, 0, 1.0), 0)
-    assert len(new) == 5
 
-    out = export_run(workdir, f"gs://{BUCKET}/exported")
-    assert str(out) == f"gs://{BUCKET}/exported"
     assert _objects(gcs, f"{BUCKET}/exported") == {"model.safetensors", "config.json", "export.json"}
-    model, tokenizer, manifest = load_exported(f"gs://{BUCKET}/exported")
-    assert manifest["step"] == 4 and tokenizer.vocab_size == run.tokenizer.vocab_size
-    np.testing.assert_array_equal(np.asarray(model.embed[...]), np.asarray(run.params(4)["embed"]))
-
-    # eval.py itself on the gs:// run (a subprocess inherits the emulator settings).
-    cli = subprocess.run([sys.executable, "eval.py", f"--workdir={workdir}", "--split=validation"], cwd=ROOT,
-                         env={**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu"}, capture_output=True,
-                         text=True, timeout=300, check=False)
-    assert cli.returncode == 0, cli.stderr[-2000:]
-    assert "eval/eval_validation_step4.json" in " ".join(_objects(gcs, f"{BUCKET}/run"))
+    model, tokenizer, manifest = load_exported(f"gs://{BUCKET}/exported")  # checks every file's SHA-256
+    assert manifest["step"] == 4 and tokenizer.kind == "byte"
+    assert model(np.array([[1, 2, 3]])).shape == (1, 3, manifest["config"]["model"]["vocab_size"])
 
 
 def test_unwritable_paths_are_one_line_errors(tmp_path, gcs):
@@ -150,10 +158,8 @@ def test_unwritable_paths_are_one_line_errors(tmp_path, gcs):
         loop.train(cfg, str(tmp_path / "a_file" / "run"), progress=False)
 
     # train.py prints it as one line and exits 2.
-    cli = subprocess.run([sys.executable, "train.py", "--config=configs/lm.py:coupled_euler,tiny",
-                          "--workdir=gs://no-such-bucket/run"], cwd=ROOT,
-                         env={**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu"}, capture_output=True,
-                         text=True, timeout=300, check=False)
-    assert cli.returncode == 2, cli.stderr[-2000:]
-    errors = [line for line in cli.stderr.splitlines() if line.startswith("error: ")]
+    code, _, stderr = _Cli(tmp_path, "train.py", "--config=configs/lm.py:coupled_euler,tiny",
+                           "--workdir=gs://no-such-bucket/run").wait()
+    assert code == 2, stderr[-2000:]
+    errors = [line for line in stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and errors[0].startswith("error: cannot write to workdir gs://no-such-bucket/run: ")
