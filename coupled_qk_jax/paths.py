@@ -11,6 +11,7 @@ name directly is already atomic for readers, and appending means rewriting the o
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import importlib.util
@@ -166,8 +167,10 @@ def save_figure(fig: Any, path: str | os.PathLike[str], **kwargs: Any) -> None:
 @functools.cache
 def _download_dir() -> str:
     # One directory per process for the downloaded copies that readers need as local files (a tokenizer that the
-    # Rust library opens by name); it lives as long as the process, like the objects it copies.
-    return tempfile.mkdtemp(prefix="coupled_qk_jax_")
+    # Rust library opens by name), removed when the process exits.
+    directory = tempfile.mkdtemp(prefix="coupled_qk_jax_")
+    atexit.register(shutil.rmtree, directory, True)
+    return directory
 
 
 def local_copy(path: str) -> str:
@@ -186,4 +189,4 @@ def upload_dir(local: str, remote: str, last: str | None = None) -> None:
     names = sorted(os.listdir(local), key=lambda n: n == last)
     dest = epath_of(remote)
     for name in names:
-        (dest / name).write_bytes(epath.Path(os.path.join(local, name)).read_bytes())
+        (dest / name).write_bytes(Path(local, name).read_bytes())
