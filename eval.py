@@ -52,11 +52,12 @@ def main(argv: list[str]) -> None:
 def _eval() -> None:
     import jax
 
+    from coupled_qk_jax import paths
     from coupled_qk_jax.training import rundir
     from coupled_qk_jax.training.run import Run
 
-    workdir = os.path.abspath(FLAGS.workdir)
-    out = os.path.abspath(FLAGS.out) if FLAGS.out else os.path.join(workdir, "eval")
+    workdir = paths.resolve(FLAGS.workdir)  # local paths made absolute; gs:// URLs as given
+    out = paths.resolve(FLAGS.out) if FLAGS.out else os.path.join(workdir, "eval")
     run = Run.open(workdir, mesh=FLAGS.mesh or None, config=FLAGS.config)
     replica = cli.parse_replica(FLAGS.replica)
     if replica != "all":

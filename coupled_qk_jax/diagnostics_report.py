@@ -33,7 +33,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from coupled_qk_jax import diagnostics
+from coupled_qk_jax import diagnostics, paths
 
 ATTN_METRICS = ("entropy", "entropy_normalized", "effective_rank", "spectral_gap", "sigma2_over_sigma1", "sink_mass",
                 "induction_mass")
@@ -204,8 +204,8 @@ def plot_diagnostics(report: dict[str, Any], path: str | Path, title: str = "") 
         ax.axis("off")
     fig.suptitle(title or f"attention diagnostics: {report.get('variant')}", fontsize=10)
     fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=110)
+    path = paths.as_path(path)
+    paths.save_figure(fig, path, dpi=110)
     plt.close(fig)
     return path
 
@@ -216,8 +216,9 @@ def diagnostics_report(model: Any, tokens: Any, out_dir: str | Path | None = Non
     and ``NAME.png`` there."""
     report = {**compute_diagnostics(model, tokens, mask=mask), **(extra or {})}
     if out_dir is not None:
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
+        out = paths.as_path(out_dir)
+        if not paths.is_remote(out):  # a URL needs no directory (paths.makedirs)
+            out.mkdir(parents=True, exist_ok=True)
         (out / f"{name}.json").write_text(json.dumps(report, indent=1))
         plot_diagnostics(report, out / f"{name}.png", title=title)
     return report
@@ -262,7 +263,7 @@ def report_from_checkpoint(run: Any, split: str = "validation", windows: int = 8
     tokens = batch["inputs"][(batch["targets"] != -100).all(axis=1)]
     if len(tokens) == 0:
         raise ValueError(f"the {split} split has no full window of {seq_len} tokens")
-    out = Path(out_dir or run.workdir)
+    out = paths.as_path(out_dir or run.workdir)
     name = report_name(split, step, replica if run.num_replicas > 1 else None)
     files = {"json": str(out / f"{name}.json"), "png": str(out / f"{name}.png")}
     which = f", replica {replica} (seed {run.seeds[replica]})" if run.num_replicas > 1 else ""

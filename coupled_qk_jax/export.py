@@ -18,7 +18,8 @@ The folder needs nothing but this package to load: no checkpoint, no corpus, no 
                             SHA-256 of every other file, checked on load so a damaged file is refused by name
 
 The folder is written under a temporary name and renamed into place, so an interrupted export never leaves a
-folder that looks complete. The round trip is exact: the loaded model's parameters are bitwise the checkpoint's.
+folder that looks complete. DIR may be a gs:// URL: the folder is then written locally and uploaded file by file,
+export.json last (Cloud Storage has no rename), and load_exported reads it back from there. The round trip is exact: the loaded model's parameters are bitwise the checkpoint's.
 """
 
 from __future__ import annotations
@@ -26,14 +27,17 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from etils import epath
 from flax import nnx
 
+from coupled_qk_jax import paths
 from coupled_qk_jax import sharding as shd
 from coupled_qk_jax.config import ModelConfig
 from coupled_qk_jax.data.token_cache import file_sha256
@@ -103,7 +107,7 @@ def _stack_layers(tensors: dict[str, np.ndarray], mcfg: ModelConfig) -> dict[str
 
 # -- writing ---------------------------------------------------------------------------------------------------------
 def write_export(out: str | os.PathLike[str], params: Any, config: dict[str, Any], tokenizer: Tokenizer,
-                 step: int | None = None, replica: dict[str, int] | None = None) -> Path:
+                 step: int | None = None, replica: dict[str, int] | None = None) -> Path | epath.Path:
     """Writes an export folder from one model's params pytree (no seed axis), the run's config dict and its
     tokenizer; ``replica`` ({"replica", "seed"}) says which seed of a seed-parallel run it is. Returns its path.
 
@@ -111,7 +115,8 @@ def write_export(out: str | os.PathLike[str], params: Any, config: dict[str, Any
     processes every one must call this (the params' shards are gathered); process 0 writes, and all return once the
     folder is in place.
     """
-    out = Path(out).absolute()
+    remote = paths.is_remote(out)
+    out = paths.as_path(paths.resolve(out))
     if out.exists() and not (out.is_dir() and (not any(out.iterdir()) or (out / MANIFEST).is_file())):
         raise ExportError(f"--out {out} exists and is not an export folder; choose a new or empty directory")
     mcfg = ModelConfig.from_dict(config["model"])  # the loader must be able to read what we write
@@ -119,8 +124,13 @@ def write_export(out: str | os.PathLike[str], params: Any, config: dict[str, Any
         raise ExportError(f"cannot export a {type(tokenizer).__name__}; expected a BPE or byte tokenizer")
     # Every process gathers (a collective where shards are on other processes); process 0 alone writes the folder.
     tensors = {k: np.ascontiguousarray(v) for k, v in per_layer_tensors(params, mcfg).items()}
-    if jax.process_index() == 0:
-        _write_folder(out, tensors, config, tokenizer, step, replica)
+    if jax.process_index() == 0 and remote:
+        _upload_folder(out, tensors, config, tokenizer, step, replica)
+    elif jax.process_index() == 0:
+        try:
+            _write_folder(out, tensors, config, tokenizer, step, replica)
+        except OSError as e:  # a read-only or full disk: one line naming the folder
+            raise ExportError(f"cannot write the export to {out}: {paths.cause(e)}") from None
     if jax.process_count() > 1:  # no process returns before the folder is in place
         from jax.experimental import multihost_utils  # noqa: PLC0415
 
@@ -156,8 +166,35 @@ def _write_folder(out: Path, tensors: dict[str, np.ndarray], config: dict[str, A
     os.replace(tmp, out)
 
 
+def _upload_folder(out: epath.Path, tensors: dict[str, np.ndarray], config: dict[str, Any], tokenizer: Tokenizer,
+                   step: int | None, replica: dict[str, int] | None) -> None:
+    """:func:`_write_folder` for a gs:// ``out``: the folder is written in a local temporary directory, then each
+    file is uploaded, the manifest last; an earlier export there loses its manifest first, so that a folder whose
+    upload was interrupted never reads as complete."""
+    with tempfile.TemporaryDirectory(prefix="export_") as local:
+        folder = Path(local) / "export"
+        _write_folder(folder, tensors, config, tokenizer, step, replica)
+        if (out / MANIFEST).exists():
+            paths.remove_tree(str(out))
+        try:
+            paths.upload_dir(str(folder), str(out), last=MANIFEST)
+        except paths.io_errors(str(out)) as e:  # a missing bucket, no permission
+            raise ExportError(f"cannot write the export to {out}: {paths.cause(e)}") from None
+
+
+def _local_folder(d: epath.Path, into: str) -> Path:
+    """A gs:// export folder downloaded into the local directory ``into`` (the safetensors and tokenizers
+    libraries read local files)."""
+    if not d.is_dir():
+        raise ExportError(f"export folder {d} does not exist")
+    for f in d.iterdir():
+        if f.is_file():
+            (Path(into) / f.name).write_bytes(f.read_bytes())
+    return Path(into)
+
+
 def export_run(workdir: str | os.PathLike[str], out: str | os.PathLike[str], *, step: int | None = None,
-               replica: int = 0, mesh: Any = None) -> Path:
+               replica: int = 0, mesh: Any = None) -> Path | epath.Path:
     """Exports one replica (default 0) of checkpoint ``step`` (default: the newest intact one) of the train.py run in
     ``workdir``, with its own config and tokenizer (training.run.Run, restored on one device or ``mesh``)."""
     from coupled_qk_jax.training.run import Run  # noqa: PLC0415 - the loader side needs none of the training stack
@@ -201,13 +238,23 @@ def load_exported(directory: str | os.PathLike[str]) -> tuple[nnx.Module, Tokeni
     ``manifest["config"]`` is the run's full config. Raises :class:`ExportError` (one line) when the folder is
     missing, a file is damaged, or the weights do not fit the config's model (names or shapes differ).
     """
+    if not paths.is_remote(directory):
+        return _load_folder(Path(directory))
+    with tempfile.TemporaryDirectory(prefix="export_") as local:
+        try:
+            return _load_folder(_local_folder(paths.as_path(directory), local))
+        except ExportError as e:  # name the folder the user gave, not the local copy
+            raise ExportError(str(e).replace(local, str(directory).rstrip("/"))) from None
+
+
+def _load_folder(d: Path) -> tuple[nnx.Module, Tokenizer, dict[str, Any]]:
+    """:func:`load_exported` of a local folder."""
     from safetensors import SafetensorError  # noqa: PLC0415
     from safetensors.numpy import load_file  # noqa: PLC0415
 
     from coupled_qk_jax.model import TransformerLM  # noqa: PLC0415
     from coupled_qk_jax.training.steps import split_model  # noqa: PLC0415
 
-    d = Path(directory)
     manifest = _read_manifest(d)
     from coupled_qk_jax.training.rundir import upgrade_config  # noqa: PLC0415
 

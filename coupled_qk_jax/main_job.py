@@ -22,6 +22,8 @@ import os
 import sys
 import time
 
+from coupled_qk_jax import paths
+
 
 def build_config(variant: str, steps: int, cache_dir: str | None, corpus: str = "stdlib",
                  split_fractions: str = "", vocab_size: int = 0):
@@ -62,7 +64,7 @@ def plot(runs: dict[str, list[dict]], path: str, corpus: str = "stdlib", vocab: 
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    paths.save_figure(fig, path, dpi=120)
     plt.close(fig)
 
 
@@ -89,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     from coupled_qk_jax.training.writers import read_metrics
 
     t0 = time.time()
-    workdir = os.path.abspath(args.workdir)
+    workdir = paths.resolve(args.workdir)  # a local path made absolute; a gs:// URL as given
     summaries: dict[str, dict] = {}
 
     def run_all() -> None:

@@ -4,6 +4,7 @@ tables, a timestamped log line. One copy here instead of one per experiment scri
 from __future__ import annotations
 
 import csv
+import io
 import math
 import os
 import subprocess
@@ -13,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from coupled_qk_jax import paths
 
 
 def code_commit() -> str:
@@ -39,6 +42,13 @@ def mean_std(values: Sequence[float]) -> tuple[float, float]:
 def write_csv(path: str | Path, rows: Sequence[Mapping[str, Any]]) -> None:
     """One header line (the first row's keys) and one line per row; nothing is written for no rows."""
     if not rows:
+        return
+    if paths.is_remote(path):  # an object is written whole (coupled_qk_jax/paths.py)
+        buf = io.StringIO(newline="")
+        w = csv.DictWriter(buf, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+        paths.write_text(path, buf.getvalue())
         return
     with open(path, "w", newline="", encoding="utf-8") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))

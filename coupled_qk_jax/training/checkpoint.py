@@ -31,7 +31,6 @@ import json
 import logging
 import os
 import re
-import shutil
 import sys
 import time
 from typing import Any, Callable
@@ -45,6 +44,7 @@ from jax.sharding import PartitionSpec as P
 import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as policies
 
+from coupled_qk_jax import paths
 from coupled_qk_jax.errors import UserError
 
 ITEMS = ("state", "meta")
@@ -186,8 +186,9 @@ class Checkpointer:
     """A thin wrapper over ``ocp.CheckpointManager`` that knows this project's three items.
 
     Args:
-      directory: where the step directories go; made absolute (orbax refuses relative paths, and with async saving
-        it would only say so from a background thread).
+      directory: where the step directories go; a local one is made absolute (orbax refuses relative paths, and
+        with async saving it would only say so from a background thread); a gs:// URL is used as given (orbax
+        writes it through tensorstore).
       keep_last: keep the latest ``keep_last`` checkpoints.
       keep_every: also keep every checkpoint whose step is a multiple of this (0 = off).
       keep_best: ``"validation_loss"``: also keep the checkpoint saved with the lowest ``metrics["validation_loss"]``
@@ -203,7 +204,8 @@ class Checkpointer:
             raise UserError(f"checkpoint.keep_last must be >= 1, got {keep_last}")
         if keep_every < 0:
             raise UserError(f"checkpoint.keep_every must be >= 0, got {keep_every}")
-        self.directory = os.path.abspath(os.path.expanduser(os.fspath(directory)))
+        directory = os.fspath(directory)
+        self.directory = paths.resolve(directory if paths.is_remote(directory) else os.path.expanduser(directory))
         keep: list[Any] = [policies.LatestN(n=keep_last)]
         if keep_every:
             keep.append(policies.EveryNSteps(interval_steps=keep_every))
@@ -285,7 +287,7 @@ class Checkpointer:
 
     def _completed_steps(self) -> list[int]:
         try:
-            return [int(d) for d in os.listdir(self.directory) if d.isdigit()]
+            return [int(d) for d in paths.listdir(self.directory) if d.isdigit()]
         except OSError:
             return []
 
@@ -302,7 +304,7 @@ class Checkpointer:
         while time.monotonic() < deadline:
             self.remove_temporaries()
             try:
-                names = os.listdir(self.directory)
+                names = paths.listdir(self.directory)
             except OSError:
                 return
             if any(_TMP_MARK in name for name in names):
@@ -316,12 +318,12 @@ class Checkpointer:
     def remove_temporaries(self) -> None:
         """Remove the temporary directories of unfinished saves (never a completed step)."""
         try:
-            names = os.listdir(self.directory)
+            names = paths.listdir(self.directory)
         except OSError:
             return
         for name in names:
             if _TMP_MARK in name:
-                shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+                paths.remove_tree(os.path.join(self.directory, name))
 
     # -- restoring ---------------------------------------------------------------------------------------------
     def restore(self, step: int, target: dict, *, partial: bool = False) -> tuple[dict, dict]:

@@ -43,6 +43,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
+from coupled_qk_jax import paths
 from coupled_qk_jax import sharding as shd
 from coupled_qk_jax.config import ModelConfig
 from coupled_qk_jax.data.pipeline import train_stream_spec
@@ -135,6 +136,9 @@ def load_data(run: RunConfig, *, run_tokenizer: str | None = None, tokenizer_sha
     A ``tokens:DIR`` corpus (token ids prepared by ``python -m coupled_qk_jax.data.prepare``, or a nanoGPT folder) is
     opened where it is: no process tokenises, and there is no collective to wait on (every process opens it alone)."""
     data, vocab_size = run.data, run.model.vocab_size
+    if paths.is_remote(data.cache_dir):  # its entries are memory-mapped: they must be on this host's disk
+        raise UserError(f"data.cache_dir={data.cache_dir}: the token cache must be a local directory (a gs:// "
+                        f"workdir is fine)")
     spec, cache_dir = data.corpus_spec(), os.path.expanduser(data.cache_dir)
     if spec.kind == "tokens":
         if data.max_bytes or data.fractions is not None:
@@ -408,12 +412,9 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True
     """
     t_start = time.time()
     run = RunConfig.from_configdict(cfg)  # every config mistake, before anything is written
-    workdir = os.path.abspath(workdir)
+    workdir = paths.resolve(workdir)  # a local path made absolute; a gs:// URL as given
     main = jax.process_index() == 0
-    try:
-        os.makedirs(workdir, exist_ok=True)
-    except OSError as e:
-        raise UserError(f"cannot create workdir {workdir}: {e.strerror or e}") from None
+    paths.makedirs(workdir, "workdir")
     lock = rundir.WorkdirLock(workdir) if main else None
     try:
         return _train_locked(run, rundir.jsonable(cfg.to_dict()), workdir, progress, return_state,

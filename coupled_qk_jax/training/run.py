@@ -34,6 +34,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from coupled_qk_jax import paths
 from coupled_qk_jax import sharding as shd
 from coupled_qk_jax.config import ModelConfig
 from coupled_qk_jax.errors import UserError
@@ -183,7 +184,7 @@ class Run:
         value, a damaged tokenizer or split)."""
         from coupled_qk_jax.training import loop  # noqa: PLC0415 - loop imports this module
 
-        workdir = os.path.abspath(os.fspath(workdir))
+        workdir = paths.resolve(workdir)  # a local path made absolute; a gs:// URL as given
         saved = rundir.run_config(workdir)
         if saved is None:
             raise UserError(f"{workdir} is not a run directory (no {rundir.CONFIG}): train first, "

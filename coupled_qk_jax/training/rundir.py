@@ -10,7 +10,8 @@ Layout (``WORKDIR``; process 0 writes, every file atomically)::
     heldout/          validation.bin, test.bin: the held-out token ids, so that evaluation needs no corpus and no
                       token cache (a run directory can be moved or copied and evaluated with --workdir alone)
     history.jsonl     one line per start, resume (with the changes allowed by --allow_change) and end
-    lock              held (fcntl.flock) by the train.py that trains here; it contains that process's pid
+    lock              held (fcntl.flock) by the train.py that trains here; it contains that process's pid (on
+                      gs:// it only records who started last: Cloud Storage has no lock that a crash releases)
     checkpoints/      training/checkpoint.py; a damaged step is moved to damaged_checkpoints/<step>, not deleted
     metrics.jsonl, tb/, summary.json     training/writers.py
     eval/             eval.py's results, eval_<split>_step<step>.json (or under eval.py --out)
@@ -19,6 +20,9 @@ Resume rules (:func:`resume_changes`): a field of :data:`RUNTIME_FIELDS` may dif
 result); ``data.corpus`` / ``data.tokenizer_path`` may point elsewhere when the files there match the fingerprint;
 a field of :data:`CHANGEABLE_FIELDS` may differ only when named in ``--allow_change`` (recorded in history.jsonl);
 every other field (model, data, batch size, seed, optimiser, schedule shape...) must equal the run's.
+
+WORKDIR may be a local path or a Cloud Storage URL (``gs://bucket/run``); coupled_qk_jax/paths.py says how each is
+written.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from typing import Any
 
 import numpy as np
 
+from coupled_qk_jax import paths
 from coupled_qk_jax.data.corpora import SPLITS, CorpusSpec
 from coupled_qk_jax.data.tokenizer import BPETokenizer, ByteTokenizer, Tokenizer
 from coupled_qk_jax.errors import UserError, did_you_mean
@@ -97,28 +102,19 @@ def jsonable(obj: Any) -> Any:
 
 
 def write_json(path: str | os.PathLike[str], obj: Any) -> None:
-    """Human-readable JSON (:func:`jsonable`) via a temporary file and os.replace (readers never see half a file).
-    The one JSON file writer: a run directory's config.json, data.json, summary.json and eval results, the token
-    cache's manifest."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    """Human-readable JSON (:func:`jsonable`), written atomically (paths.write_text: readers never see half a
+    file). The one JSON file writer: a run directory's config.json, data.json, summary.json and eval results, the
+    token cache's manifest. Local path or gs:// URL."""
+    text = json.dumps(jsonable(obj), indent=2, sort_keys=True) + "\n"
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(json.dumps(jsonable(obj), indent=2, sort_keys=True) + "\n")
-            f.flush()
-            os.fsync(f.fileno())  # after a crash or power loss: the old file or the whole new one, never an empty one
-        os.replace(tmp, path)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise UserError(f"cannot write {path}: {e.strerror or e}") from None
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+        paths.write_text(path, text)
+    except paths.io_errors(path) as e:
+        raise UserError(f"cannot write {os.fspath(path)}: {paths.cause(e)}") from None
 
 
 def read_json(path: str | os.PathLike[str]) -> Any | None:
     """The parsed file, None when it does not exist; a damaged file is a one-line UserError naming it."""
-    path = Path(path)
+    path = paths.epath_of(path)
     if not path.is_file():
         return None
     try:
@@ -132,25 +128,27 @@ def record_history(workdir: str, event: str, **fields: Any) -> None:
     code's git commit (reporting.code_commit), so every result can name the code that made it."""
     line = {"event": event, "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "host": socket.gethostname(), "pid": os.getpid(), "argv": sys.argv, "commit": code_commit(), **fields}
-    with open(os.path.join(workdir, HISTORY), "a", encoding="utf-8") as f:
-        f.write(json.dumps(jsonable(line), sort_keys=True) + "\n")
+    path, text = os.path.join(workdir, HISTORY), json.dumps(jsonable(line), sort_keys=True) + "\n"
+    try:
+        paths.append_text(path, text)
+    except paths.io_errors(path) as e:
+        raise UserError(f"cannot write {path}: {paths.cause(e)}") from None
 
 
 def lr_extensions(workdir: str) -> list[tuple[int, int]]:
     """``(step, old train.steps)`` of every resume recorded in WORKDIR/history.jsonl that changed train.steps
     (--allow_change=train.steps), in order: what the learning-rate schedule of the run's later starts follows."""
     path = os.path.join(workdir, HISTORY)
-    if not os.path.isfile(path):
+    if not paths.is_file(path):
         return []
     out = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            if not line.strip():
-                continue
-            row = json.loads(line)
-            change = (row.get("changes") or {}).get("train.steps")
-            if row.get("event") == "resume" and change is not None:
-                out.append((int(row["step"]), int(change["run"])))
+    for line in paths.read_text(path).splitlines():
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        change = (row.get("changes") or {}).get("train.steps")
+        if row.get("event") == "resume" and change is not None:
+            out.append((int(row["step"]), int(change["run"])))
     return out
 
 
@@ -161,10 +159,22 @@ def lr_extensions(workdir: str) -> list[tuple[int, int]]:
 
 class WorkdirLock:
     """An exclusive ``fcntl.flock`` on WORKDIR/lock for as long as the process trains there. The kernel drops it
-    when the process dies (SIGKILL included), so a stale lock file never blocks a later run."""
+    when the process dies (SIGKILL included), so a stale lock file never blocks a later run.
+
+    A gs:// workdir has no such lock: an object lock that a killed process leaves behind would block every later
+    resume until removed by hand, which is worse than what it prevents. There the lock file is only written (host
+    and pid of the latest train.py, which also shows at once whether the workdir is writable); keeping to one
+    train.py per gs:// workdir is up to the user (a scheduler that restarts a preempted job does this)."""
 
     def __init__(self, workdir: str) -> None:
         self.path = os.path.join(workdir, LOCK)
+        self.fd = -1
+        if paths.is_remote(workdir):
+            try:
+                paths.write_text(self.path, f"{socket.gethostname()} {os.getpid()}\n")
+            except paths.io_errors(self.path) as e:  # a missing bucket, no permission
+                raise UserError(f"cannot write to workdir {workdir}: {paths.cause(e)}") from None
+            return
         try:
             self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as e:
@@ -375,7 +385,16 @@ def save_run_data(workdir: str, cache: Any, fingerprint: dict[str, Any]) -> None
     """Copy the tokenizer and the held-out splits of ``cache`` (a TokenCache) into WORKDIR, then write data.json
     (last: its presence means the rest is complete)."""
     info = cache.manifest["tokenizer"]
-    if info["kind"] != "byte" and info.get("file"):  # a nanoGPT folder's ids have no tokenizer file
+    has_file = info["kind"] != "byte" and bool(info.get("file"))  # a nanoGPT folder's ids have no tokenizer file
+    if paths.is_remote(workdir):  # whole objects (paths.write_bytes); data.json still comes last
+        if has_file:
+            paths.write_bytes(os.path.join(workdir, TOKENIZER), (cache.directory / info["file"]).read_bytes())
+        for split in HELD_OUT_SPLITS:
+            tokens = np.asarray(cache.tokens(split)).tobytes()
+            paths.write_bytes(os.path.join(workdir, HELD_OUT, f"{split}.bin"), tokens)
+        write_json(os.path.join(workdir, DATA), fingerprint)
+        return
+    if has_file:
         shutil.copyfile(cache.directory / info["file"], os.path.join(workdir, TOKENIZER))
     held = Path(workdir) / HELD_OUT
     held.mkdir(exist_ok=True)
@@ -387,8 +406,10 @@ def save_run_data(workdir: str, cache: Any, fingerprint: dict[str, Any]) -> None
 
 
 def run_tokenizer_path(workdir: str) -> str | None:
+    """WORKDIR/tokenizer.json as a local file (a downloaded copy for a gs:// workdir: the tokenizers library opens
+    files by name), None when the run has none."""
     p = os.path.join(workdir, TOKENIZER)
-    return p if os.path.isfile(p) else None
+    return paths.local_copy(p) if paths.is_file(p) else None
 
 
 class RunData:
@@ -396,7 +417,7 @@ class RunData:
     (``tokens(split)``, ``eot_id``, ``vocab_size``, ``tokenizer``, ``manifest``, ``directory``)."""
 
     def __init__(self, workdir: str) -> None:
-        self.directory = Path(workdir) / HELD_OUT
+        self.directory = (paths.epath_of(workdir) if paths.is_remote(workdir) else Path(workdir)) / HELD_OUT
         fp = read_json(os.path.join(workdir, DATA))
         if fp is None:
             raise UserError(f"{workdir} has no {DATA}: not a run directory written by train.py (or its first start "
@@ -419,6 +440,7 @@ class RunData:
                 raise UserError(f"{path} differs from the tokenizer recorded in {DATA}; restore the run's copy")
             self.tokenizer = BPETokenizer.load(path, int(info["vocab_size"]))
         self._verified: set[str] = set()
+        self._read: dict[str, np.ndarray] = {}  # a gs:// run's splits, read once
 
     @property
     def vocab_size(self) -> int:
@@ -435,12 +457,18 @@ class RunData:
         info = self.fingerprint["splits"][split]
         n, dtype = int(info["tokens"]), np.dtype(self.fingerprint["dtype"])
         path = self.directory / f"{split}.bin"
-        if not path.is_file() or path.stat().st_size != n * dtype.itemsize:
+        remote = paths.is_remote(self.directory)
+        if remote and split in self._read:
+            return self._read[split]
+        if not path.is_file() or (path.stat().length if remote else path.stat().st_size) != n * dtype.itemsize:
             raise UserError(f"{path} is missing or has the wrong size ({n} tokens expected); copy the whole run "
                             f"directory")
         if n == 0:
             return np.empty(0, dtype=dtype)
-        arr = np.memmap(path, dtype=dtype, mode="r", shape=(n,))
+        if remote:  # read whole, once: no memory map of an object (and the held-out splits are small)
+            arr = self._read[split] = np.frombuffer(path.read_bytes(), dtype=dtype)
+        else:
+            arr = np.memmap(path, dtype=dtype, mode="r", shape=(n,))
         if split not in self._verified:
             import hashlib  # noqa: PLC0415
 
@@ -459,18 +487,23 @@ def move_damaged(checkpoint_dir: str, step: int) -> str:
     """Move a damaged checkpoint step out of the manager's sight (to WORKDIR/damaged_checkpoints/<step>[.n]); the
     resumed run would otherwise save that step again into the same name. Returns the new path."""
     dest_root = os.path.join(os.path.dirname(checkpoint_dir), "damaged_checkpoints")
-    os.makedirs(dest_root, exist_ok=True)
+    paths.makedirs(dest_root)
     dest, n = os.path.join(dest_root, str(step)), 1
-    while os.path.exists(dest):
+    while paths.exists(dest):
         dest, n = os.path.join(dest_root, f"{step}.{n}"), n + 1
-    os.replace(os.path.join(checkpoint_dir, str(step)), dest)
+    source = os.path.join(checkpoint_dir, str(step))
+    if paths.is_remote(source):  # no rename in Cloud Storage: epath copies each object, then deletes the original
+        paths.epath_of(source).rename(dest)
+    else:
+        os.replace(source, dest)
     return dest
 
 
 def write_eval_result(out_dir: str, result: dict[str, Any]) -> str:
     """OUT/eval_<split>_step<step>[_replica<K>].json (never summary.json); returns its path."""
     try:
-        os.makedirs(out_dir, exist_ok=True)
+        if not paths.is_remote(out_dir):  # a URL needs no directory (paths.makedirs)
+            os.makedirs(out_dir, exist_ok=True)
     except OSError as e:
         raise UserError(f"cannot write the evaluation to {out_dir}: {e.strerror or e}; pass --out=DIR") from None
     replica = f"_replica{result['replica']}" if "replica" in result else ""

@@ -1,8 +1,13 @@
 """Run outputs: metrics.jsonl and TensorBoard event files (tensorboardX). Only process 0 writes. (summary.json and
-every other JSON file: rundir.write_json.)"""
+every other JSON file: rundir.write_json.)
+
+A gs:// workdir works as a local one: metrics.jsonl is rewritten whole at each log line (Cloud Storage objects
+cannot be appended to; see paths.append_text), and the TensorBoard event file is uploaded whole at each of
+tensorboardX's flushes (:class:`_ObjectEventFile`)."""
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
@@ -11,6 +16,7 @@ from typing import Any
 
 import jax
 
+from coupled_qk_jax import paths
 from coupled_qk_jax.errors import UserError
 
 
@@ -29,10 +35,10 @@ def read_metrics(workdir: str) -> list[dict[str, Any]]:
     A torn last line (a process killed while appending it) is dropped with a one-line warning; a damaged line
     anywhere else is a UserError naming the file and line."""
     path = os.path.join(workdir, "metrics.jsonl")
-    if not os.path.exists(path):
+    if not paths.exists(path):
         return []
-    with open(path, encoding="utf-8", errors="replace") as f:
-        lines = [line for line in f.read().split("\n")]
+    with paths.epath_of(path).open("rb") as f:
+        lines = f.read().decode("utf-8", errors="replace").split("\n")
     rows: list[dict[str, Any]] = []
     last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
     for i, line in enumerate(lines):
@@ -48,6 +54,37 @@ def read_metrics(workdir: str) -> list[dict[str, Any]]:
                 continue
             raise UserError(f"{path} line {i + 1} is not valid JSON; fix or remove that line") from None
     return rows
+
+
+class _ObjectEventFile:
+    """A tensorboardX record writer for a URL: the event file grows in memory and is uploaded whole (epath, so the
+    one Cloud Storage client of every run output) at each flush, which tensorboardX does every ``flush_secs`` and at
+    close. tensorboardX's own gs:// writer does the same through google-cloud-storage, but uploads once more when
+    garbage-collected after its close, and so can block a process that is exiting on a retry loop."""
+
+    def __init__(self, path: str) -> None:
+        self.path, self.buffer, self.uploaded = path, io.BytesIO(), 0
+
+    def write(self, data: bytes) -> None:
+        self.buffer.write(data)
+
+    def flush(self) -> None:
+        if self.buffer.tell() != self.uploaded:
+            paths.write_bytes(self.path, self.buffer.getvalue())
+            self.uploaded = self.buffer.tell()
+
+    def close(self) -> None:
+        self.flush()
+
+
+class _ObjectEventFiles:
+    """tensorboardX's factory interface (record_writer.register_writer_factory) for :class:`_ObjectEventFile`."""
+
+    def open(self, path: str) -> _ObjectEventFile:
+        return _ObjectEventFile(path)
+
+    def directory_check(self, path: str) -> None:
+        pass  # no directories in Cloud Storage
 
 
 class MetricsWriter:
@@ -69,23 +106,28 @@ class MetricsWriter:
         self._tb = None
         if not self.enabled:
             return
-        if resume_step is not None and os.path.exists(self.path):
+        if resume_step is not None and paths.exists(self.path):
             kept = [r for r in read_metrics(workdir) if r.get("step", 0) <= resume_step]
-            with open(self.path + ".tmp", "w", encoding="utf-8") as f:
-                f.writelines(json.dumps(r) + "\n" for r in kept)
-            os.replace(self.path + ".tmp", self.path)
+            self._rewrite("".join(json.dumps(r) + "\n" for r in kept))
         if tensorboard:
             from tensorboardX import SummaryWriter  # local: importing it is slow-ish and only process 0 needs it
 
             purge = {"purge_step": resume_step + 1} if resume_step is not None else {}
+            if paths.is_remote(workdir):  # tensorboardX picks the writer by the path's protocol, process-wide
+                from tensorboardX import record_writer  # noqa: PLC0415
+
+                record_writer.register_writer_factory(workdir.split("://", 1)[0], _ObjectEventFiles())
             self._tb = SummaryWriter(os.path.join(workdir, "tb"), **purge)
 
     def write(self, step: int, metrics: dict[str, Any], prefix: str = "") -> None:
         if not self.enabled:
             return
         row = {"step": int(step), **{f"{prefix}{k}": _jsonable(v) for k, v in metrics.items()}}
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(row) + "\n")
+        text = json.dumps(row) + "\n"
+        try:
+            paths.append_text(self.path, text)
+        except paths.io_errors(self.path) as e:
+            raise UserError(f"cannot write {self.path}: {paths.cause(e)}") from None
         if self._tb is not None:
             scalars = []
             for k, v in row.items():
@@ -101,6 +143,14 @@ class MetricsWriter:
 
             event = Summary(value=[Summary.Value(tag=k, simple_value=float(v)) for k, v in scalars])
             self._tb._get_file_writer().add_summary(event, step)
+
+    def _rewrite(self, text: str) -> None:
+        if paths.is_remote(self.path):  # an object is replaced whole when its upload completes
+            paths.write_text(self.path, text)
+            return
+        with open(self.path + ".tmp", "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(self.path + ".tmp", self.path)
 
     def close(self) -> None:
         if self._tb is not None:
