@@ -691,6 +691,7 @@ def _train_locked(run: RunConfig, config_json: dict[str, Any], workdir: str, pro
                 # A step evaluated just now is ranked by its validation loss (checkpoint.keep_best; mean over seeds).
                 ranked = ({"validation_loss": float(np.mean(val[LOSS_METRIC[s.task.name]]))} if val_at == step
                           else None)
+                writer.flush()  # the metrics up to this step are as durable as the checkpoint
                 s.checkpointer.save(step, state, {**extras, "train_window": window.meta()}, ranked)
                 last_saved = step
                 saves.saved(time.monotonic())

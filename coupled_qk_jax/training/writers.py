@@ -12,6 +12,7 @@ import json
 import math
 import os
 import sys
+import time
 from typing import Any
 
 import jax
@@ -98,15 +99,27 @@ class MetricsWriter:
     in seed order); TensorBoard gets the mean as ``name`` and each seed as ``name/seed_<seed>``.
     """
 
+    UPLOAD_SECONDS = 30.0
+
     def __init__(self, workdir: str, resume_step: int | None = None, tensorboard: bool = True,
                  seeds: list[int] | None = None) -> None:
         self.enabled = jax.process_index() == 0
         self.seeds = list(seeds or [])
         self.path = os.path.join(workdir, "metrics.jsonl")
         self._tb = None
+        # In Cloud Storage, where an object cannot be appended to, the file's text is kept here and uploaded whole
+        # at most every UPLOAD_SECONDS and at every flush (the loop flushes before each checkpoint, so the lines up
+        # to a checkpoint are durable with it): one upload per log line would hold every device for a round trip.
+        self._remote: list[str] | None = None
+        self._uploaded_at = time.monotonic()
+        self._dirty = False
         if not self.enabled:
             return
-        if resume_step is not None and paths.exists(self.path):
+        if paths.is_remote(self.path):
+            kept = [r for r in read_metrics(workdir) if resume_step is None or r.get("step", 0) <= resume_step]
+            self._remote = [json.dumps(r) + "\n" for r in kept]
+            self._dirty = resume_step is not None
+        elif resume_step is not None and paths.exists(self.path):
             kept = [r for r in read_metrics(workdir) if r.get("step", 0) <= resume_step]
             self._rewrite("".join(json.dumps(r) + "\n" for r in kept))
         if tensorboard:
@@ -124,10 +137,16 @@ class MetricsWriter:
             return
         row = {"step": int(step), **{f"{prefix}{k}": _jsonable(v) for k, v in metrics.items()}}
         text = json.dumps(row) + "\n"
-        try:
-            paths.append_text(self.path, text)
-        except paths.io_errors(self.path) as e:
-            raise UserError(f"cannot write {self.path}: {paths.cause(e)}") from None
+        if self._remote is not None:
+            self._remote.append(text)
+            self._dirty = True
+            if time.monotonic() - self._uploaded_at >= self.UPLOAD_SECONDS:
+                self._upload()
+        else:
+            try:
+                paths.append_text(self.path, text)
+            except paths.io_errors(self.path) as e:
+                raise UserError(f"cannot write {self.path}: {paths.cause(e)}") from None
         if self._tb is not None:
             scalars = []
             for k, v in row.items():
@@ -144,6 +163,21 @@ class MetricsWriter:
             event = Summary(value=[Summary.Value(tag=k, simple_value=float(v)) for k, v in scalars])
             self._tb._get_file_writer().add_summary(event, step)
 
+    def _upload(self) -> None:
+        if self._remote is None or not self._dirty:
+            return
+        try:
+            paths.write_text(self.path, "".join(self._remote))
+        except paths.io_errors(self.path) as e:
+            raise UserError(f"cannot write {self.path}: {paths.cause(e)}") from None
+        self._uploaded_at, self._dirty = time.monotonic(), False
+
+    def flush(self) -> None:
+        """Make every line written so far durable (locally they already are: each is appended as it comes)."""
+        self._upload()
+        if self._tb is not None:
+            self._tb.flush()
+
     def _rewrite(self, text: str) -> None:
         if paths.is_remote(self.path):  # an object is replaced whole when its upload completes
             paths.write_text(self.path, text)
@@ -153,6 +187,7 @@ class MetricsWriter:
         os.replace(self.path + ".tmp", self.path)
 
     def close(self) -> None:
+        self._upload()
         if self._tb is not None:
             self._tb.flush()
             self._tb.close()
