@@ -182,8 +182,6 @@ class Run:
         field that changes what is evaluated (rundir.check_eval_config). With ``report`` the upgrade notes are
         printed once, on stderr. Raises UserError (not a run directory, a removed field set to a non-default
         value, a damaged tokenizer or split)."""
-        from coupled_qk_jax.training import loop  # noqa: PLC0415 - loop imports this module
-
         workdir = paths.resolve(workdir)  # a local path made absolute; a gs:// URL as given
         saved = rundir.run_config(workdir)
         if saved is None:

@@ -7,7 +7,7 @@ pytrees. `nnx.merge(graphdef, params)` rebuilds the module inside the jitted fun
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
