@@ -49,6 +49,7 @@ from etils import epath
 from coupled_qk_jax.data.corpora import (
     SPLITS, CorpusError, CorpusSpec, ReadStats, iter_documents, source_fingerprint)
 from coupled_qk_jax.data.prepared import FORMAT, FORMAT_VERSION, MANIFEST
+from coupled_qk_jax.data.token_cache import _chunks as token_cache_chunks
 from coupled_qk_jax.data.tokenizer import BPETokenizer, ByteTokenizer, Tokenizer, tokenizer_json_sha256
 from coupled_qk_jax.errors import UserError
 
@@ -191,20 +192,16 @@ class _Encoder:
 
 
 def _chunks(docs: Iterator[str], chunk_bytes: int, text_hash: Any) -> Iterator[list[str]]:
-    """Whole documents in lists of at least ``chunk_bytes`` characters (the last one shorter); hashes the text as
-    token_cache._tokenize_split does (each document's UTF-8 then a NUL)."""
-    buf: list[str] = []
-    size = 0
-    for d in docs:
-        text_hash.update(d.encode("utf-8"))
-        text_hash.update(b"\0")
-        buf.append(d)
-        size += len(d)
-        if size >= chunk_bytes:
-            yield buf
-            buf, size = [], 0
-    if buf:
-        yield buf
+    """Whole documents in lists of at least ``chunk_bytes`` characters (the last one shorter), as the token cache
+    cuts them; hashes the text as token_cache._tokenize_split does (each document's UTF-8 then a NUL)."""
+
+    def hashed(docs: Iterator[str]) -> Iterator[str]:
+        for d in docs:
+            text_hash.update(d.encode("utf-8"))
+            text_hash.update(b"\0")
+            yield d
+
+    return token_cache_chunks(hashed(docs), chunk_bytes)
 
 
 # -- the job ---------------------------------------------------------------------------------------------------------
