@@ -28,6 +28,7 @@ from flax import nnx
 from coupled_qk_jax import dynamics, invertible
 from coupled_qk_jax.config import DYNAMICS_METHOD, ModelConfig
 from coupled_qk_jax.kernels import attend, choose_implementation
+from coupled_qk_jax.precision import add_bias
 
 Array = jax.Array
 
@@ -127,6 +128,10 @@ class CausalSelfAttention(nnx.Module):
         self.wk = normal_param(key, path + "/wk", (d, h, dh), std, ("embed", "heads", "head_dim"))
         self.wv = normal_param(key, path + "/wv", (d, h, dh), std, ("embed", "heads", "head_dim"))
         self.wo = normal_param(key, path + "/wo", (h, dh, d), out_std, ("heads", "head_dim", "embed"))
+        if cfg.attn_bias:  # GPT-2's projections carry biases (checkpoints imported by convert.py)
+            for name in ("bq", "bk", "bv"):
+                setattr(self, name, const_param((h, dh), 0.0, ("heads", "head_dim")))
+            self.bo = const_param((d,), 0.0, ("embed",))
 
         transform = cfg.qk_transform
         if transform in DYNAMICS_METHOD:
@@ -144,6 +149,21 @@ class CausalSelfAttention(nnx.Module):
             for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
                 setattr(self, name, normal_param(key, f"{path}/{name}", (dh,), 0.1, ("head_dim",)))
             self.subln_scale = const_param((2 * dh,), 1.0, ("head_dim",))
+
+    # -- projections ------------------------------------------------------------------------------------------------
+    def project_qkv(self, x: Array) -> tuple[Array, Array, Array]:
+        """x [B, T, d_model] in the compute dtype -> q, k, v [B, T, H, d_head] (plus their biases with attn_bias)."""
+        dtype = x.dtype
+        out = []
+        for w, b in (("wq", "bq"), ("wk", "bk"), ("wv", "bv")):
+            y = jnp.einsum("btd,dhk->bthk", x, getattr(self, w)[...].astype(dtype))
+            out.append(add_bias(y, getattr(self, b)[...]) if self.cfg.attn_bias else y)
+        return tuple(out)
+
+    def project_out(self, o: Array) -> Array:
+        """The heads' outputs o [B, T, H, d_head] -> [B, T, d_model] through W_O (plus its bias with attn_bias)."""
+        y = jnp.einsum("bthk,hkd->btd", o, self.wo[...].astype(o.dtype))
+        return add_bias(y, self.bo[...]) if self.cfg.attn_bias else y
 
     # -- the QK transform -------------------------------------------------------------------------------------------
     def transform_qk(self, q: Array, k: Array, shared_coupling: CouplingMLP | None = None) -> tuple[Array, Array]:
@@ -206,9 +226,7 @@ class CausalSelfAttention(nnx.Module):
         impl = "explicit" if collect else cfg.attention_impl
         if impl not in ("auto", "explicit"):  # a named kernel: honoured where it can run (choose_implementation)
             impl = choose_implementation(impl, dtype, cfg.head_dim, x.shape[1], mix=cfg.scoring == "differential")
-        q = jnp.einsum("btd,dhk->bthk", x, self.wq[...].astype(dtype))
-        k = jnp.einsum("btd,dhk->bthk", x, self.wk[...].astype(dtype))
-        v = jnp.einsum("btd,dhk->bthk", x, self.wv[...].astype(dtype))
+        q, k, v = self.project_qkv(x)
         q0, k0 = q, k
         q, k = self.transform_qk(q, k, shared_coupling)
         q1, k1 = q, k
@@ -217,7 +235,7 @@ class CausalSelfAttention(nnx.Module):
         o = self.score(q, k, v, impl, return_weights=collect, depth=layer_idx)
         if collect:
             o, weights = o
-        y = jnp.einsum("bthk,hkd->btd", o, self.wo[...].astype(dtype))
+        y = self.project_out(o)
         if not collect:
             return y
         aux = {"q_before": q0, "k_before": k0, "q_after": q1, "k_after": k1, "attn": weights}
@@ -238,10 +256,8 @@ class CausalSelfAttention(nnx.Module):
         <= positions[b, t]. Slots above a row's position may hold stale entries (a shorter prompt's padding); they
         stay masked until that row overwrites them.
         """
-        cfg, dtype = self.cfg, x.dtype
-        q = jnp.einsum("btd,dhk->bthk", x, self.wq[...].astype(dtype))
-        k = jnp.einsum("btd,dhk->bthk", x, self.wk[...].astype(dtype))
-        v = jnp.einsum("btd,dhk->bthk", x, self.wv[...].astype(dtype))
+        cfg = self.cfg
+        q, k, v = self.project_qkv(x)
         q, k = self.transform_qk(q, k, shared_coupling)
         if cfg.positions == "rope":  # the transform runs before the rotation, as in __call__
             q = apply_rope(q, cfg.rope_base, positions=positions)
@@ -250,4 +266,4 @@ class CausalSelfAttention(nnx.Module):
         cache = {"k": write(cache["k"], k, positions[:, 0]), "v": write(cache["v"], v, positions[:, 0])}
         visible = jnp.arange(cache["k"].shape[1])[None, None, :] <= positions[:, :, None]  # [B, T, S]
         o = self.score(q, cache["k"], cache["v"], "explicit", visible=visible, depth=layer_idx)
-        return jnp.einsum("bthk,hkd->btd", o, self.wo[...].astype(dtype)), cache
+        return self.project_out(o), cache

@@ -85,6 +85,8 @@ class ModelConfig:
     attention_impl: str = "auto"
     attention_chunks: int = 0  # query blocks of the explicit causal path; 0 = auto (about T/64, at most 8)
     init_std: float = 0.02
+    # Biases on the q/k/v and output projections (GPT-2 has them; checkpoints imported from it need them).
+    attn_bias: bool = False
 
     def __post_init__(self):
         parse_variant(self.variant)

@@ -38,7 +38,8 @@ FIXTURE = os.path.join(ROOT, "tests", "fixtures", "run_v1")
 EXPECTED = json.load(open(os.path.join(ROOT, "tests", "fixtures", "run_v1_expected.json"), encoding="utf-8"))
 # The fields added since the fixture was written, each at the default that means what the run did.
 ADDED_NOTES = ["checkpoint.keep_best: not in this run, using default ''",
-               "train.schedule_every: not in this run, using default 1"]
+               "train.schedule_every: not in this run, using default 1",
+               "model.attn_bias: not in this run, using default False"]
 
 
 def _cli(script: str, *args: str, devices: int = 1) -> subprocess.CompletedProcess:

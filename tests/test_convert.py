@@ -1,0 +1,143 @@
+"""GPT-2 checkpoints in and out (coupled_qk_jax/convert.py), against what Hugging Face `transformers` computed.
+
+Reference: tests/fixtures/gpt2_tiny, a random 2-layer GPT-2 (d 64, vocab 512) saved by `transformers` with its
+float32 logits and greedy tokens for fixed inputs (tests/fixtures/make_gpt2_fixture.py; versions in its
+versions.json). Nothing here imports torch or transformers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from coupled_qk_jax import convert
+from coupled_qk_jax.errors import UserError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GPT2 = os.path.join(ROOT, "tests", "fixtures", "gpt2_tiny")
+REF = np.load(os.path.join(GPT2, "reference.npz"))
+
+
+@pytest.fixture(scope="module")
+def standard(tmp_path_factory):
+    """The fixture imported as a standard model, as an export folder, and the model loaded back from it."""
+    from coupled_qk_jax.export import load_exported
+
+    out = tmp_path_factory.mktemp("import") / "standard"
+    assert convert.convert_from_hf(GPT2, str(out)) == 0.0
+    model, tokenizer, manifest = load_exported(out)
+    return out, model, tokenizer, manifest
+
+
+def test_imported_logits_and_greedy_tokens_are_transformers(standard):
+    from coupled_qk_jax.generate import Generator, Sampling
+
+    _, model, tokenizer, manifest = standard
+    assert manifest["config"]["model"]["attn_bias"] is True and manifest["step"] == 0
+    logits = np.asarray(model(REF["input_ids"]))
+    np.testing.assert_allclose(logits, REF["logits"], rtol=1e-5, atol=1e-5 * np.abs(REF["logits"]).max())
+    new = Generator(model).generate(list(REF["prompt"]), int(REF["greedy"].shape[1]), Sampling(temperature=0.0))
+    assert np.array_equal(np.stack(new), REF["greedy"])
+    assert tokenizer.encode(str(REF["text"])).tolist() == REF["text_ids"].tolist()
+    assert tokenizer.eot_id == 511 and tokenizer.decode(REF["text_ids"]) == str(REF["text"])
+
+
+@pytest.mark.parametrize("variant", ["coupled_euler", "coupled_leapfrog"])
+def test_a_coupled_import_at_dt_zero_has_gpt2s_logits_and_learns_its_coupling(variant):
+    """Δt = 0 with f ≡ 0: the coupled model is GPT-2's function; Δt still receives a gradient (∂q/∂Δt = k)."""
+    import jax
+
+    from coupled_qk_jax.model import TransformerLM
+    from coupled_qk_jax.training.steps import make_loss_fn
+
+    mcfg, params = convert.import_hf(GPT2, variant, dt_init=0.0)
+    logits = convert.logits_of(mcfg, params, REF["input_ids"])
+    np.testing.assert_allclose(logits, REF["logits"], rtol=1e-5, atol=1e-5 * np.abs(REF["logits"]).max())
+    assert all(float(np.abs(params["blocks"][i]["attn"]["dt"]).max()) == 0.0 for i in range(mcfg.n_layers))
+    if variant != "coupled_euler":  # one gradient program is enough for the point below
+        return
+    from flax import nnx
+
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: TransformerLM(mcfg, 0)))
+    batch = {"inputs": REF["input_ids"][:, :-1], "targets": REF["input_ids"][:, 1:]}
+    grads = jax.grad(lambda p: make_loss_fn(graphdef)(p, batch, None)[0])(params)
+    assert float(np.abs(grads["blocks"][0]["attn"]["dt"]).max()) > 0
+
+
+def test_one_training_step_on_the_import_starts_from_transformers_loss(standard):
+    """The first step's loss is the cross-entropy of transformers' logits (numpy float64), and the step moves the
+    parameters."""
+    import jax
+
+    from coupled_qk_jax.training import optimizer, steps
+    from coupled_qk_jax.training.config import TrainConfig
+
+    _, model, _, _ = standard
+    graphdef, params = steps.split_model(model)
+    tx = optimizer.make_optimizer(params, TrainConfig(steps=2, warmup_steps=0, lr=1e-3))
+    state = steps.init_train_state(params, tx)
+    batch = {"inputs": REF["input_ids"][:, :-1], "targets": REF["input_ids"][:, 1:]}
+    new_state, metrics = jax.jit(steps.make_train_step(graphdef, tx))(state, batch, jax.random.key(0))
+    z = REF["logits"][:, :-1].astype(np.float64)
+    logp = z - z.max(-1, keepdims=True) - np.log(np.exp(z - z.max(-1, keepdims=True)).sum(-1, keepdims=True))
+    expected = -np.take_along_axis(logp, batch["targets"][..., None], -1).mean()
+    assert float(metrics["loss"]) == pytest.approx(expected, rel=1e-5)
+    moved = jax.tree.map(lambda a, b: float(np.abs(np.asarray(a) - np.asarray(b)).max()), new_state["params"], params)
+    assert max(jax.tree.leaves(moved)) > 0
+
+
+def test_export_to_hugging_face_is_the_fixture_bit_for_bit(standard, tmp_path):
+    from safetensors.numpy import load_file
+
+    out, _, _, _ = standard
+    assert convert.main(["--to_hf", str(tmp_path / "hf"), "--exported", str(out)]) == 0
+    back = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    original = {k.removeprefix("transformer."): v for k, v in load_file(os.path.join(GPT2, "model.safetensors")).items()
+                if not k.endswith((".attn.bias", ".attn.masked_bias")) and k != "lm_head.weight"}
+    assert sorted(back) == sorted(original)
+    for k, v in original.items():
+        assert back[k].dtype == v.dtype and np.array_equal(back[k], v), k
+    hf = json.loads((tmp_path / "hf" / "config.json").read_text())
+    with open(os.path.join(GPT2, "config.json")) as f:
+        ref = json.load(f)
+    for key in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head", "layer_norm_epsilon",
+                "bos_token_id", "eos_token_id"):
+        assert hf[key] == ref[key], key
+    assert hf["n_inner"] == 4 * ref["n_embd"] and ref.get("n_inner") is None
+    # ...and the written folder imports again to the same logits.
+    mcfg, params = convert.import_hf(tmp_path / "hf")
+    np.testing.assert_allclose(convert.logits_of(mcfg, params, REF["input_ids"]), REF["logits"], rtol=1e-5,
+                               atol=1e-5 * np.abs(REF["logits"]).max())
+
+
+def test_gpt2s_vocab_and_merges_files_give_the_same_tokenizer(tmp_path):
+    import shutil
+
+    for name in ("config.json", "vocab.json", "merges.txt"):  # no tokenizer.json: the older file pair
+        shutil.copy(os.path.join(GPT2, name), tmp_path / name)
+    tokenizer = convert.read_hf_tokenizer(tmp_path)
+    assert tokenizer.encode(str(REF["text"])).tolist() == REF["text_ids"].tolist()
+    assert tokenizer.eot_id == 511 and tokenizer.vocab_size == 512
+    assert tokenizer.encode("<|endoftext|>").tolist() == [511]
+
+
+def test_mistakes_are_one_line(tmp_path, capsys):
+    with pytest.raises(UserError, match="differential scoring"):
+        convert.import_hf(GPT2, "coupled_euler+differential")
+    with pytest.raises(UserError, match="config.json is missing"):
+        convert.import_hf(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(UserError, match="only GPT-2"):
+        convert.read_hf_config(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "activation_function": "relu"}))
+    with pytest.raises(UserError, match="activation_function='relu'"):
+        convert.read_hf_config(tmp_path)
+    assert convert.main(["--from_hf", str(tmp_path / "nowhere"), "--out", str(tmp_path / "o")]) == 2
+    assert convert.main(["--to_hf", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    missing = (f"error: {tmp_path / 'nowhere' / 'config.json'} is missing: --from_hf takes a folder written by "
+               "GPT2LMHeadModel.save_pretrained")
+    assert err == [missing, "error: --to_hf needs --exported=EXPORT_FOLDER"]
