@@ -1,4 +1,5 @@
-"""train.py / eval.py as a user runs them: subprocesses on 2 CPU devices, a byte-tokenised text_dir fixture."""
+"""train.py / eval.py as a user runs them: subprocesses on 2 CPU devices (two error paths run train.py's steps in
+this process), a byte-tokenised text_dir fixture."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import sys
 import time
 
 import pytest
-
 from conftest import xla_flags
 from test_training import write_corpus
 
@@ -41,31 +41,22 @@ def _flags(tmp_path, steps: int, **extra) -> list[str]:
 
 
 def _run(args: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], cwd=ROOT, env=_env(), capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run([sys.executable, *args], check=False, cwd=ROOT, env=_env(), capture_output=True,
+                          text=True, timeout=timeout)
 
 
-def test_cli_train_then_eval_end_to_end(tmp_path):
-    workdir = tmp_path / "run"
-    out = _run(["train.py", "--config=configs/lm.py:coupled_euler,tiny", f"--workdir={workdir}",
-                *_flags(tmp_path, steps=4)])
-    assert out.returncode == 0, out.stderr[-2000:]
-    summary = json.loads((workdir / "summary.json").read_text())
-    assert SUMMARY_KEYS <= summary.keys()
-    assert summary["variant"] == "coupled_euler" and summary["scale"] == "tiny" and summary["step"] == 4
-    assert summary["tokens_seen"] == 4 * 4 * 32
-    lines = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in lines if "train_loss" in r] == [1, 2, 3, 4]
-    assert any(name.startswith("events.out.tfevents") for name in os.listdir(workdir / "tb"))
+def _parsed_config(spec: str, flag_args: list[str]):
+    """The ConfigDict train.py builds from ``--config=SPEC`` and ``flag_args`` (its config flag, defined alike on a
+    private FlagValues, so nothing is added to the process's absl flags)."""
+    from absl import flags
+    from ml_collections import config_flags
 
-    before = (workdir / "summary.json").read_text()
-    out = _run(["eval.py", f"--workdir={workdir}", "--split=test"])  # the run's own config
-    assert out.returncode == 0, out.stderr[-2000:]
-    result = json.loads((workdir / "eval" / "eval_test_step4.json").read_text())
-    assert result["tokens"] > 0 and result["step"] == 4 and result["split"] == "test"
-    assert abs(result["ppl"] - 2.718281828459045 ** result["loss"]) < 1e-6 * result["ppl"]
-    assert f"step 4 test: loss {result['loss']:.4f}" in out.stdout
-    assert (workdir / "summary.json").read_text() == before  # evaluation never overwrites the training summary
+    argv = ["train.py", f"--config={os.path.join(ROOT, spec)}", *flag_args]
+    values = flags.FlagValues()
+    # sys_argv: the overrides it defines flags for (by default the process's own sys.argv: pytest's)
+    config_flags.DEFINE_config_file("config", None, "", flag_values=values, lock_config=True, sys_argv=argv)
+    values(argv)
+    return values.config
 
 
 def test_cli_bad_input_is_one_line(tmp_path):
@@ -77,14 +68,22 @@ def test_cli_bad_input_is_one_line(tmp_path):
 
 
 @pytest.mark.parametrize("bad", ["missing", "empty"])
-def test_cli_missing_or_empty_corpus(tmp_path, bad):
+def test_cli_missing_or_empty_corpus(tmp_path, capfd, bad):
+    """train.py's own steps in this process (its flags parsed as it parses them, then run_guarded around
+    loop.train): test_cli_bad_input_is_one_line checks the same path through a real process and its exit status."""
+    from coupled_qk_jax.training import cli, loop
+
     corpus = tmp_path / bad
     if bad == "empty":
         corpus.mkdir()
-    out = _run(["train.py", "--config=configs/lm.py:standard,tiny", f"--workdir={tmp_path / 'run'}",
-                *_flags(tmp_path, steps=2, **{"data.corpus": f"text_dir:{corpus}"})])
-    assert out.returncode == 2 and "Traceback" not in out.stderr
-    last = out.stderr.strip().splitlines()[-1]
+    # a batch this process's devices divide (the mesh lane's 8, where train.py's subprocesses have 2)
+    cfg = _parsed_config("configs/lm.py:standard,tiny",
+                         _flags(tmp_path, steps=2, **{"data.corpus": f"text_dir:{corpus}", "train.batch_size": 8}))
+    capfd.readouterr()
+    code = cli.run_guarded(lambda: loop.train(cfg, str(tmp_path / "run"), progress=False))
+    err = capfd.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    last = err.strip().splitlines()[-1]
     assert last.startswith("error: ") and str(corpus) in last
 
 
@@ -104,19 +103,44 @@ def _losses(workdir) -> list[tuple[int, float]]:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """An uninterrupted run to STOP (shared by the tests of this section)."""
+    """An uninterrupted run to STOP (shared by the tests of this section; test_cli_train_then_eval_end_to_end reads
+    and evaluates it)."""
     tmp = tmp_path_factory.mktemp("reference")
     out = _run([*RUN_ARGS, f"--workdir={tmp / 'run'}", *_flags(tmp, steps=100000, **{"train.stop_after": STOP})])
     assert out.returncode == 0, out.stderr[-2000:]
     return tmp, _losses(tmp / "run")
 
 
+def test_cli_train_then_eval_end_to_end(reference):
+    """train.py's run directory (the reference run: train.py as a user runs it), then eval.py on it."""
+    workdir = reference[0] / "run"
+    summary = json.loads((workdir / "summary.json").read_text())
+    assert SUMMARY_KEYS <= summary.keys()
+    assert summary["variant"] == "standard" and summary["scale"] == "tiny" and summary["step"] == STOP
+    assert summary["tokens_seen"] == STOP * 4 * 32
+    lines = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines if "train_loss" in r] == list(range(1, STOP + 1))
+    assert any(name.startswith("events.out.tfevents") for name in os.listdir(workdir / "tb"))
+
+    before = (workdir / "summary.json").read_text()
+    out = _run(["eval.py", f"--workdir={workdir}", "--split=test"])  # the run's own config
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads((workdir / "eval" / f"eval_test_step{STOP}.json").read_text())
+    assert result["tokens"] > 0 and result["step"] == STOP and result["split"] == "test"
+    assert abs(result["ppl"] - 2.718281828459045 ** result["loss"]) < 1e-6 * result["ppl"]
+    assert f"step {STOP} test: loss {result['loss']:.4f}" in out.stdout
+    assert (workdir / "summary.json").read_text() == before  # evaluation never overwrites the training summary
+
+
 def _start(tmp_path, **extra) -> tuple[subprocess.Popen, list[str]]:
     flags = _flags(tmp_path, steps=100000, **{"train.stop_after": STOP, **extra})
     args = [*RUN_ARGS, f"--workdir={tmp_path / 'run'}", *flags]
-    proc = subprocess.Popen([sys.executable, *args], cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
+    return _popen(args), args
+
+
+def _popen(args: list[str]) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, *args], cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
-    return proc, args
 
 
 def _wait_for_lines(proc, metrics, n: int) -> None:
@@ -127,34 +151,47 @@ def _wait_for_lines(proc, metrics, n: int) -> None:
     assert proc.poll() is None and metrics.exists(), "training ended or never logged before the signal"
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_signal_saves_exits_128_plus_signal_and_resumes_bitwise(tmp_path, reference, sig):
-    ref_tmp, ref_losses = reference
-    proc, args = _start(tmp_path)
+def _interrupt(proc, metrics, lines: int, sig) -> tuple[str, str]:
+    """Send ``sig`` once ``metrics`` has ``lines`` lines; (stdout, stderr) of the process, which has ended."""
     try:
-        _wait_for_lines(proc, tmp_path / "run" / "metrics.jsonl", 3)
+        _wait_for_lines(proc, metrics, lines)
         proc.send_signal(sig)
-        _, err = proc.communicate(timeout=600)
+        return proc.communicate(timeout=600)
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 128 + sig, err[-2000:]  # 130 (SIGINT) / 143 (SIGTERM): saved, resumable
-    assert "Traceback" not in err and "KeyboardInterrupt" not in err
-    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    reached = summary["step"]
-    assert summary["status"] == "interrupted" and summary["signal"] == signal.Signals(sig).name
-    assert 3 <= reached < STOP and summary["checkpoint_step"] == reached
-    assert str(reached) in os.listdir(tmp_path / "run" / "checkpoints")
-    if sig == signal.SIGINT:  # the checkpoint and summary are SIGTERM's (above); its resume is compared below
-        return
+
+
+def test_signals_save_exit_128_plus_signal_and_resume_bitwise(tmp_path, reference):
+    """SIGINT after a few logged steps, the same command again (it resumes), SIGTERM after a few more, the same
+    command to the end: each signal finishes its step, saves, summarises and exits 130 / 143, and every logged loss
+    of the twice-interrupted run is bitwise the uninterrupted run's."""
+    _, ref_losses = reference
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    proc, args = _start(tmp_path)
+    reached = []
+    for sig, lines in ((signal.SIGINT, 3), (signal.SIGTERM, None)):
+        if lines is None:  # the same command resumes; signalled a few steps after the first signal's step
+            proc, lines = _popen(args), reached[0] + 3
+        out, err = _interrupt(proc, metrics, lines, sig)
+        assert proc.returncode == 128 + sig, err[-2000:]  # 130 (SIGINT) / 143 (SIGTERM): saved, resumable
+        assert "Traceback" not in err and "KeyboardInterrupt" not in err
+        summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+        reached.append(summary["step"])
+        assert summary["status"] == "interrupted" and summary["signal"] == signal.Signals(sig).name
+        assert summary["checkpoint_step"] == reached[-1] < STOP
+        assert str(reached[-1]) in os.listdir(tmp_path / "run" / "checkpoints")
+    assert 3 <= reached[0] < reached[1]
+    assert f"at step {reached[0]}" in out  # the SIGTERM run resumed from SIGINT's checkpoint
 
     out = _run(args)  # the same command resumes
     assert out.returncode == 0, out.stderr[-2000:]
-    assert f"at step {reached}" in out.stdout
+    assert f"at step {reached[1]}" in out.stdout
     assert _losses(tmp_path / "run") == ref_losses  # every logged loss bitwise equal to the uninterrupted run's
     history = [json.loads(x) for x in (tmp_path / "run" / "history.jsonl").read_text().splitlines()]
-    assert [h["event"] for h in history] == ["start", "end", "resume", "end"]
-    assert history[1]["status"] == "interrupted" and history[2]["step"] == reached
+    assert [h["event"] for h in history] == ["start", "end", "resume", "end", "resume", "end"]
+    assert history[1]["status"] == history[3]["status"] == "interrupted"
+    assert history[2]["step"] == reached[0] and history[4]["step"] == reached[1]
 
 
 def test_sigkill_mid_run_resumes_with_the_uninterrupted_metrics(tmp_path, reference):
