@@ -40,6 +40,9 @@ SCALES = {
     "60m": (512, 10, 8, 2048, 50304, 1024, 256, 6e-4, 4500),
     "150m": (768, 16, 12, 3072, 50304, 1024, 256, 3e-4, 12000),
     "350m": (1024, 24, 16, 4096, 50304, 1024, 512, 3e-4, 13500),
+    # GPT-2 124M's shape, to continue a checkpoint imported by coupled_qk_jax.convert (train.init_from): LayerNorm,
+    # projection biases and Δt starting at 0, where the coupling leaves the imported function unchanged.
+    "gpt2": (768, 12, 12, 3072, 50257, 1024, 32, 1e-4, 2000),
 }
 ACCELERATOR_EVAL_BATCHES = 64  # periodic validation batches from 60m up (the whole split at the end)
 ACCELERATOR_CHECKPOINT_SECONDS = 1200.0  # a preemption without notice loses at most this much training
@@ -68,6 +71,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         variant=variant, vocab_size=vocab, max_len=max_len, d_model=d_model, n_layers=n_layers, n_heads=n_heads,
         d_ff=d_ff, coupling_hidden=3 * head_dim // 4, affine_hidden=3 * head_dim // 4,
         scan_layers=not small, dtype="float32" if small else "bfloat16"))  # scanned layers from 60m up
+    if scale == "gpt2":
+        cfg.model.update(norm="layernorm", attn_bias=True, dt_init=0.0)
     cfg.data = configdict(DataConfig(seq_len=max_len))
     if small:
         cfg.train = configdict(TrainConfig(steps=steps, batch_size=batch, lr=lr))

@@ -168,7 +168,7 @@ def import_hf(directory: str | os.PathLike[str], variant: str = "standard", dt_i
     import jax.numpy as jnp
     from flax import nnx
 
-    from coupled_qk_jax.export import flatten_params
+    from coupled_qk_jax.export import flatten_params, param_name
     from coupled_qk_jax.model import TransformerLM
 
     mcfg = model_config_from_hf(read_hf_config(directory), variant, dt_init)
@@ -179,9 +179,7 @@ def import_hf(directory: str | os.PathLike[str], variant: str = "standard", dt_i
     if missing:  # the mapping names a parameter the model does not have: a bug here, not a user's mistake
         raise AssertionError(f"GPT-2 tensors without a parameter: {missing}")
     leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
-    from coupled_qk_jax.export import _name
-
-    values = [jnp.asarray(flat[_name(p)]) if _name(p) in flat else x for p, x in leaves]
+    values = [jnp.asarray(flat[param_name(p)]) if param_name(p) in flat else x for p, x in leaves]
     return mcfg, jax.tree_util.tree_unflatten(treedef, values)
 
 

@@ -54,7 +54,8 @@ class ExportError(UserError):
 
 
 # -- parameter names -------------------------------------------------------------------------------------------------
-def _name(path: tuple) -> str:
+def param_name(path: tuple) -> str:
+    """The dotted name of a pytree path (``blocks.0.attn.wq``): the export's tensor names."""
     return ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
 
 
@@ -65,7 +66,7 @@ def flatten_params(params: Any) -> dict[str, np.ndarray]:
     processes, which are all-gathered (sharding.to_host): every process must then call this, and each gets every
     tensor whole."""
     leaves = jax.tree_util.tree_flatten_with_path(params)[0]
-    return {_name(p): shd.to_host(x) for p, x in leaves}
+    return {param_name(p): shd.to_host(x) for p, x in leaves}
 
 
 def per_layer_tensors(params: Any, mcfg: ModelConfig) -> dict[str, np.ndarray]:
@@ -270,7 +271,7 @@ def _load_folder(d: Path) -> tuple[nnx.Module, Tokenizer, dict[str, Any]]:
 
     graphdef, abstract = split_model(nnx.eval_shape(lambda: TransformerLM(mcfg, 0)))
     paths, treedef = jax.tree_util.tree_flatten_with_path(abstract)
-    expected = {_name(p): x for p, x in paths}
+    expected = {param_name(p): x for p, x in paths}
     missing = sorted(set(expected) - set(tensors))
     unexpected = sorted(set(tensors) - set(expected))
     wrong = [f"{k} {tuple(tensors[k].shape)}/{tensors[k].dtype} vs {tuple(v.shape)}/{v.dtype}"
@@ -281,7 +282,7 @@ def _load_folder(d: Path) -> tuple[nnx.Module, Tokenizer, dict[str, Any]]:
                  f"unexpected {', '.join(unexpected[:3])}" if unexpected else "",
                  f"shape/dtype {'; '.join(wrong[:3])}" if wrong else ""]
         raise ExportError(f"{d / WEIGHTS} does not match the model in {CONFIG} ({'; '.join(p for p in parts if p)})")
-    params = jax.tree_util.tree_unflatten(treedef, [jnp.asarray(tensors[_name(p)]) for p, _ in paths])
+    params = jax.tree_util.tree_unflatten(treedef, [jnp.asarray(tensors[param_name(p)]) for p, _ in paths])
     model = nnx.merge(graphdef, params)
 
     tok_info = manifest["tokenizer"]
@@ -291,3 +292,28 @@ def _load_folder(d: Path) -> tuple[nnx.Module, Tokenizer, dict[str, Any]]:
         raise ExportError(f"{d}: the tokenizer has {tokenizer.vocab_size} tokens but the model only "
                           f"{mcfg.vocab_size}; export again")
     return model, tokenizer, {**manifest, "config": config}
+
+
+# -- parameters to start a run from ----------------------------------------------------------------------------------
+def initial_tensors(source: str | os.PathLike[str], mcfg: ModelConfig) -> dict[str, np.ndarray]:
+    """``{name: host array}`` to start a model of ``mcfg`` from (``train.init_from``): the weights of an export folder
+    (verified against its checksums) or of a run directory's newest intact checkpoint (replica 0), named as the
+    export names them and stacked per :func:`_stack_layers` when ``mcfg`` scans its layers. Raises ExportError when
+    ``source`` is neither."""
+    from safetensors.numpy import load_file  # noqa: PLC0415
+
+    d = paths.as_path(paths.resolve(source))
+    if (d / MANIFEST).is_file():
+        with tempfile.TemporaryDirectory(prefix="export_") as tmp:
+            folder = _local_folder(d, tmp) if paths.is_remote(source) else Path(d)
+            _read_manifest(folder)
+            tensors = load_file(str(folder / WEIGHTS))
+    elif (d / CONFIG).is_file():
+        from coupled_qk_jax.training.run import Run  # noqa: PLC0415
+
+        run = Run.open(str(source), report=False)
+        tensors = per_layer_tensors(run.params(replica=0), run.mcfg)
+    else:
+        raise ExportError(f"train.init_from={source}: neither an export folder ({MANIFEST}) nor a run directory "
+                          f"({CONFIG})")
+    return _stack_layers(tensors, mcfg)

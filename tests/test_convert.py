@@ -141,3 +141,55 @@ def test_mistakes_are_one_line(tmp_path, capsys):
     missing = (f"error: {tmp_path / 'nowhere' / 'config.json'} is missing: --from_hf takes a folder written by "
                "GPT2LMHeadModel.save_pretrained")
     assert err == [missing, "error: --to_hf needs --exported=EXPORT_FOLDER"]
+
+
+def _continue_config(tmp_path, exported, **model):
+    from test_training import write_corpus
+
+    from configs.lm import get_config
+
+    cfg = get_config("coupled_euler,tiny")
+    cfg.model.update({"vocab_size": 512, "max_len": 64, "d_model": 64, "n_layers": 2, "n_heads": 4, "d_ff": 256,
+                      "norm": "layernorm", "positions": "learned", "attn_bias": True, "dt_init": 0.0, "dropout": 0.0,
+                      "coupling_hidden": 8, **model})
+    cfg.data.update(corpus=f"text_dir:{write_corpus(tmp_path / 'corpus')}", tokenizer="bpe",
+                    tokenizer_path=os.path.join(GPT2, "tokenizer.json"), seq_len=32, split_fractions="0.6,0.2,0.2",
+                    cache_dir=str(tmp_path / "cache"), num_threads=1)
+    cfg.train.update(steps=1, batch_size=4, warmup_steps=0, lr=0.0, log_every=1, eval_every=0, eval_batches=1,
+                     init_from=str(exported))
+    return cfg
+
+
+def test_training_starts_from_the_import_with_the_coupling_added(standard, tmp_path, capsys):
+    """train.init_from=<the standard import>, trained as coupled_euler with Δt = 0 and lr = 0 (so the step leaves
+    the parameters as they started): GPT-2's tensors bitwise, f at the coupled model's own initialisation."""
+    from safetensors.numpy import load_file
+
+    from coupled_qk_jax.training import loop
+
+    out, _, _, _ = standard
+    cfg = _continue_config(tmp_path, out)
+    summary, state = loop.train(cfg, str(tmp_path / "run"), progress=False, return_state=True)
+    assert summary["step"] == 1 and np.isfinite(summary["train_loss"])
+    assert "init_from" in capsys.readouterr().out
+    hf = load_file(os.path.join(GPT2, "model.safetensors"))
+    params = state["params"]
+    assert np.array_equal(params["embed"], hf["transformer.wte.weight"])
+    assert np.array_equal(params["blocks"][1]["attn"]["wk"].reshape(64, 64),
+                          hf["transformer.h.1.attn.c_attn.weight"][:, 64:128])
+    assert np.array_equal(params["blocks"][0]["mlp"]["b_out"], hf["transformer.h.0.mlp.c_proj.bias"])
+    assert float(np.abs(params["blocks"][0]["attn"]["dt"]).max()) == 0.0
+    from coupled_qk_jax.model import TransformerLM
+
+    fresh = TransformerLM(loop.model_config(cfg), 0).blocks[0].attn.coupling.w1[...]
+    assert np.array_equal(params["blocks"][0]["attn"]["coupling"]["w1"], np.asarray(fresh))
+
+
+def test_a_source_that_does_not_fit_the_model_is_one_line(standard, tmp_path):
+    from coupled_qk_jax.training import loop
+
+    out, _, _, _ = standard
+    with pytest.raises(UserError, match=r"does not fit model\.\*: no parameter for blocks\.0\.attn\.bk"):
+        loop.train(_continue_config(tmp_path, out, attn_bias=False), str(tmp_path / "run"), progress=False)
+    with pytest.raises(UserError, match="neither an export folder"):
+        loop.train(_continue_config(tmp_path, tmp_path), str(tmp_path / "run2"), progress=False)

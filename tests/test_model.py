@@ -142,10 +142,12 @@ def test_differential_fast_forms_match_naive_reference():
 
 
 def expected_standard_params(c: ModelConfig) -> int:
-    """Hand count: embeddings + per layer (4 D² attention, 2 D F + F + D MLP, 2 D norms) + final norm."""
+    """Hand count: embeddings + per layer (4 D² attention (+ 4 D biases), 2 D F + F + D MLP, 2 norms of D (RMSNorm)
+    or 2 D (LayerNorm)) + final norm."""
     d, f = c.d_model, c.d_ff
-    per_layer = 4 * d * d + 2 * d * f + f + d + 2 * d
-    return c.vocab_size * d + c.max_len * d + c.n_layers * per_layer + d
+    norm = d if c.norm == "rmsnorm" else 2 * d
+    per_layer = 4 * d * d + (4 * d if c.attn_bias else 0) + 2 * d * f + f + d + 2 * norm
+    return c.vocab_size * d + c.max_len * d + c.n_layers * per_layer + norm
 
 
 def test_parameter_counts_per_scale():
@@ -159,6 +161,8 @@ def test_parameter_counts_per_scale():
         print(f"{scale}: " + ", ".join(f"{v}={n:,}" for v, n in counts.items()) + f"; coupled extra {extra:.4%}")
         if scale == "60m":
             assert 0.0009 <= extra <= 0.0013
+        if scale == "gpt2":  # GPT-2 124M's published count (tied head, 50257 tokens, 1024 positions)
+            assert counts["standard"] == 124_439_808
     assert 0.9e6 < expected_standard_params(ModelConfig.from_dict(lm.get_config("standard,tiny").model)) < 1.5e6
 
 

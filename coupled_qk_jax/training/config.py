@@ -171,6 +171,10 @@ class TrainConfig(_Block):
     eval_batches: int = 0  # 0 = the whole validation split (every token once); N = the first N batches
     eval_batch_size: int = 0  # global sequences per eval batch (0 = train.batch_size)
     stop_after: int = 0  # stop (with a checkpoint) once this many steps are done in total; 0 = train.steps. For tests.
+    # A fresh run's parameters from an export folder (export.py, or a GPT-2 imported by convert.py) or a run
+    # directory (its newest checkpoint, replica 0), matched by name and shape; parameters the source lacks (a coupled
+    # variant's f and Δt on a standard source) keep their initialisation. Read only at the first start.
+    init_from: str = ""
     # Observability (training/observe.py). MFU is logged when the per-device peak is given, e.g. 989 for an
     # H100 SXM in bf16 dense (the vendor's figure for the dtype you train in); 0 = not logged (CPU).
     peak_tflops: float = 0.0

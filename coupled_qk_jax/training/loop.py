@@ -51,6 +51,7 @@ from coupled_qk_jax.data.prepared import open_tokens
 from coupled_qk_jax.data.token_cache import (
     TokenCache, data_fingerprint, find_token_cache, shared_token_cache, source_contents, tokenizer_sha256)
 from coupled_qk_jax.errors import UserError
+from coupled_qk_jax.export import initial_tensors, param_name
 from coupled_qk_jax.model import TransformerLM
 from coupled_qk_jax.training import observe
 from coupled_qk_jax.training import optimizer as opt_lib
@@ -231,12 +232,47 @@ class Setup:
         one per eager init op, and no full copy on a single device first). Seed i's params are exactly
         ``TransformerLM(mcfg, seeds[i])``'s, as in the single run with that seed."""
         mcfg, seeds, tx = self.mcfg, self.seeds, self.tx
+        loaded = self._initial_tensors()
 
-        def init():
-            states = [init_train_state(split_model(TransformerLM(mcfg, seed))[1], tx) for seed in seeds]
+        def init(loaded):
+            states = []
+            for seed in seeds:
+                params = split_model(TransformerLM(mcfg, seed))[1]
+                if loaded:  # train.init_from: the source's tensors replace the fresh ones of the same name
+                    leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
+                    params = treedef.unflatten([loaded.get(param_name(p), x) for p, x in leaves])
+                states.append(init_train_state(params, tx))
             return states[0] if len(states) == 1 else jax.tree.map(lambda *xs: jnp.stack(xs), *states)
 
-        return jax.jit(init, out_shardings=self.shardings)()
+        return jax.jit(init, out_shardings=self.shardings)(loaded)
+
+    def _initial_tensors(self) -> dict[str, jax.Array]:
+        """train.init_from's tensors, checked against this model by name and shape and replicated on the mesh
+        ({} without init_from). A source tensor this model has no place for is refused: dropping it would train
+        another model than the one asked for."""
+        source = self.config.train.init_from
+        if not source:
+            return {}
+        tensors = initial_tensors(source, self.mcfg)
+        abstract = jax.tree_util.tree_flatten_with_path(self.abstract_state["params"])[0]
+        if len(self.seeds) > 1:  # the state's leading seed axis is not the model's
+            abstract = [(p, jax.ShapeDtypeStruct(x.shape[1:], x.dtype)) for p, x in abstract]
+        ours = {param_name(p): x for p, x in abstract}
+        extra = sorted(set(tensors) - set(ours))
+        wrong = [f"{k} {tuple(v.shape)} vs {tuple(ours[k].shape)}" for k, v in tensors.items()
+                 if k in ours and tuple(v.shape) != tuple(ours[k].shape)]
+        if extra or wrong:
+            what = "; ".join(filter(None, [f"no parameter for {', '.join(extra[:3])}" if extra else "",
+                                           f"shape {', '.join(wrong[:3])}" if wrong else ""]))
+            raise UserError(f"train.init_from={source} does not fit model.*: {what}")
+        fresh = sorted(set(ours) - set(tensors))
+        if jax.process_index() == 0:
+            print(f"init_from {source}: {len(tensors)} tensors"
+                  + (f"; {len(fresh)} start fresh ({', '.join(fresh[:4])}{', ...' if len(fresh) > 4 else ''})"
+                     if fresh else ""), flush=True)
+        replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+        return {k: jax.make_array_from_callback(v.shape, replicated, lambda index, v=v: v[index])
+                for k, v in tensors.items()}
 
 
 def make_mesh(run: RunConfig) -> jax.sharding.Mesh:
