@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 
+import jax
 import numpy as np
 import pytest
 
@@ -46,25 +47,12 @@ def test_imported_logits_and_greedy_tokens_are_transformers(standard):
 
 
 @pytest.mark.parametrize("variant", ["coupled_euler", "coupled_leapfrog"])
-def test_a_coupled_import_at_dt_zero_has_gpt2s_logits_and_learns_its_coupling(variant):
-    """Δt = 0 with f ≡ 0: the coupled model is GPT-2's function; Δt still receives a gradient (∂q/∂Δt = k)."""
-    import jax
-
-    from coupled_qk_jax.model import TransformerLM
-    from coupled_qk_jax.training.steps import make_loss_fn
-
+def test_a_coupled_import_at_dt_zero_has_gpt2s_logits(variant):
+    """Δt = 0 with f ≡ 0: the coupled model is GPT-2's function (that Δt then learns: the init_from test below)."""
     mcfg, params = convert.import_hf(GPT2, variant, dt_init=0.0)
     logits = convert.logits_of(mcfg, params, REF["input_ids"])
     np.testing.assert_allclose(logits, REF["logits"], rtol=1e-5, atol=1e-5 * np.abs(REF["logits"]).max())
     assert all(float(np.abs(params["blocks"][i]["attn"]["dt"]).max()) == 0.0 for i in range(mcfg.n_layers))
-    if variant != "coupled_euler":  # one gradient program is enough for the point below
-        return
-    from flax import nnx
-
-    graphdef, _ = nnx.split(nnx.eval_shape(lambda: TransformerLM(mcfg, 0)))
-    batch = {"inputs": REF["input_ids"][:, :-1], "targets": REF["input_ids"][:, 1:]}
-    grads = jax.grad(lambda p: make_loss_fn(graphdef)(p, batch, None)[0])(params)
-    assert float(np.abs(grads["blocks"][0]["attn"]["dt"]).max()) > 0
 
 
 def test_one_training_step_on_the_import_starts_from_transformers_loss(standard):
@@ -155,32 +143,36 @@ def _continue_config(tmp_path, exported, **model):
     cfg.data.update(corpus=f"text_dir:{write_corpus(tmp_path / 'corpus')}", tokenizer="bpe",
                     tokenizer_path=os.path.join(GPT2, "tokenizer.json"), seq_len=32, split_fractions="0.6,0.2,0.2",
                     cache_dir=str(tmp_path / "cache"), num_threads=1)
-    cfg.train.update(steps=1, batch_size=4, warmup_steps=0, lr=0.0, log_every=1, eval_every=0, eval_batches=1,
+    # Step 1 runs at the warm-up's learning rate 0, so its checkpoint holds the parameters as they started.
+    cfg.train.update(steps=2, batch_size=4, warmup_steps=1, lr=1e-3, log_every=1, eval_every=0, eval_batches=1,
                      init_from=str(exported))
+    cfg.checkpoint.update(every=1, keep_last=2)
     return cfg
 
 
 def test_training_starts_from_the_import_with_the_coupling_added(standard, tmp_path, capsys):
-    """train.init_from=<the standard import>, trained as coupled_euler with Δt = 0 and lr = 0 (so the step leaves
-    the parameters as they started): GPT-2's tensors bitwise, f at the coupled model's own initialisation."""
+    """train.init_from=<the standard import>, trained as coupled_euler with Δt = 0: after step 1 (learning rate 0)
+    GPT-2's tensors bitwise and f at the coupled model's own initialisation; step 2 moves Δt off 0, since it gets a
+    gradient at 0 (∂q/∂Δt = k)."""
     from safetensors.numpy import load_file
 
+    from coupled_qk_jax.model import TransformerLM
     from coupled_qk_jax.training import loop
+    from coupled_qk_jax.training.run import Run
 
     out, _, _, _ = standard
     cfg = _continue_config(tmp_path, out)
     summary, state = loop.train(cfg, str(tmp_path / "run"), progress=False, return_state=True)
-    assert summary["step"] == 1 and np.isfinite(summary["train_loss"])
+    assert summary["step"] == 2 and np.isfinite(summary["train_loss"])
     assert "init_from" in capsys.readouterr().out
+    assert all(float(np.abs(state["params"]["blocks"][i]["attn"]["dt"]).min()) > 0 for i in range(2))
+    params = jax.tree.map(np.asarray, Run.open(tmp_path / "run", report=False).params(step=1))
     hf = load_file(os.path.join(GPT2, "model.safetensors"))
-    params = state["params"]
     assert np.array_equal(params["embed"], hf["transformer.wte.weight"])
     assert np.array_equal(params["blocks"][1]["attn"]["wk"].reshape(64, 64),
                           hf["transformer.h.1.attn.c_attn.weight"][:, 64:128])
     assert np.array_equal(params["blocks"][0]["mlp"]["b_out"], hf["transformer.h.0.mlp.c_proj.bias"])
     assert float(np.abs(params["blocks"][0]["attn"]["dt"]).max()) == 0.0
-    from coupled_qk_jax.model import TransformerLM
-
     fresh = TransformerLM(loop.model_config(cfg), 0).blocks[0].attn.coupling.w1[...]
     assert np.array_equal(params["blocks"][0]["attn"]["coupling"]["w1"], np.asarray(fresh))
 
