@@ -87,6 +87,9 @@ class ModelConfig:
     init_std: float = 0.02
     # Biases on the q/k/v and output projections (GPT-2 has them; checkpoints imported from it need them).
     attn_bias: bool = False
+    # > 0: a classification head (1 = regression) on the final hidden state of each sequence's last real token, for
+    # fine-tuning on sentence tasks (GLUE); 0 = none, the language model alone.
+    num_labels: int = 0
 
     def __post_init__(self):
         parse_variant(self.variant)
@@ -101,6 +104,9 @@ class ModelConfig:
         chunks = self.attention_chunks
         if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 0:
             raise ValueError(f"model.attention_chunks must be an integer >= 0 (0 = auto), got {chunks!r}")
+        if not isinstance(self.num_labels, int) or isinstance(self.num_labels, bool) or self.num_labels < 0:
+            raise ValueError(f"model.num_labels must be an integer >= 0 (0 = no classification head), got "
+                             f"{self.num_labels!r}")
         if self.d_ff < 0:
             raise ValueError(f"model.d_ff must be >= 0 (0 = no MLP), got {self.d_ff}")
         if self.d_model % self.n_heads:

@@ -174,6 +174,9 @@ class TransformerLM(nnx.Module):
         blocks = [Block(cfg, i, key) for i in range(cfg.n_layers)]
         self.blocks = stack_blocks(blocks) if cfg.scan_layers else nnx.List(blocks)
         self.final_norm = Norm(cfg)
+        if cfg.num_labels:
+            self.cls_head = normal_param(key, "cls_head", (cfg.d_model, cfg.num_labels), cfg.init_std, ("embed", None))
+            self.cls_bias = const_param((cfg.num_labels,), 0.0, (None,))
 
     def __call__(self, tokens: Array, *, dropout_key: Array | None = None, collect: bool = False,
                  logit_positions: Array | None = None):
@@ -183,6 +186,18 @@ class TransformerLM(nnx.Module):
         logit_positions: int [B, K] -> logits [B, K, V] at those positions only. A loss that scores K << T positions
         (MQAR's answers) skips the [B, T, V] head otherwise spent on ignored targets, as nanoGPT computes the head
         at the last position only when generating; at zoology's vocabulary 8192 that head is most of a step."""
+        x, embed, collected = self._features(tokens, dropout_key, collect)
+        if logit_positions is not None:
+            x = jnp.take_along_axis(x, logit_positions[..., None].astype(jnp.int32), axis=1)
+        # Tied head: logits = x @ E^T, accumulated in float32.
+        logits = jnp.einsum("btd,vd->btv", x, embed.astype(jnp.dtype(self.cfg.dtype)),
+                            preferred_element_type=jnp.float32)
+        logits = shd.constrain(logits, ("batch", "length", "vocab"))
+        return (logits, collected) if collect else logits
+
+    def _features(self, tokens: Array, dropout_key: Array | None, collect: bool) -> tuple[Array, Array, list]:
+        """tokens [B, T] -> (the final hidden states [B, T, d_model] after the final norm, the gathered embedding
+        for the tied head, the per-layer intermediates when ``collect``)."""
         cfg = self.cfg
         t = tokens.shape[-1]
         if t > cfg.max_len:
@@ -217,12 +232,16 @@ class TransformerLM(nnx.Module):
                     x, aux = _run_block(block, x, shared, key, i, collect)
                     collected.append(aux)
         x = shd.gather_weights(self.final_norm)(x)
-        if logit_positions is not None:
-            x = jnp.take_along_axis(x, logit_positions[..., None].astype(jnp.int32), axis=1)
-        # Tied head: logits = x @ E^T, accumulated in float32.
-        logits = jnp.einsum("btd,vd->btv", x, embed.astype(dtype), preferred_element_type=jnp.float32)
-        logits = shd.constrain(logits, ("batch", "length", "vocab"))
-        return (logits, collected) if collect else logits
+        return x, embed, collected
+
+    def classify(self, tokens: Array, positions: Array, *, dropout_key: Array | None = None) -> Array:
+        """The classification head (model.num_labels > 0): tokens [B, T] and positions int [B], each row's last
+        real token -> float32 [B, num_labels] (a regression's value at [:, 0]), from the final hidden state there:
+        a causal model has read the whole sequence only at its last token."""
+        x, _, _ = self._features(tokens, dropout_key, False)
+        last = jnp.take_along_axis(x, positions.astype(jnp.int32)[:, None, None], axis=1)[:, 0]  # [B, d_model]
+        head = shd.gather_weight(self.cls_head, "cls_head").astype(last.dtype)
+        return jnp.einsum("bd,dn->bn", last, head, preferred_element_type=jnp.float32) + self.cls_bias[...]
 
     def decode(self, tokens: Array, cache: dict[str, Array], start: Array) -> tuple[Array, dict[str, Array]]:
         """The forward pass with a KV cache (generate.py): tokens int [B, T] at positions start[b] + 0..T-1, where

@@ -257,3 +257,34 @@ def test_unscanned_blocks_are_checkpointed_only_where_something_is_dropped():
     assert count("none") == 0
     assert count("full") == 2
     assert count("none", fsdp=2) == 2
+
+
+def test_classification_head_reads_the_last_real_tokens_final_hidden_state():
+    """An identity: with the head set to the tied embedding's transpose (num_labels = V, bias 0), the head's output
+    at each row's position is the language model's logits there; a gradient reaches the head through the loss."""
+    from coupled_qk_jax.training.steps import make_loss_fn, split_model
+
+    cfg = ModelConfig(variant="coupled_euler", vocab_size=61, max_len=16, d_model=32, n_layers=2, n_heads=4, d_ff=64,
+                      num_labels=61)
+    model = TransformerLM(cfg, 0)
+    model.cls_head[...] = model.embed[...].T
+    tokens = jax.random.randint(jax.random.key(1), (3, 16), 0, 61)
+    positions = jnp.array([15, 4, 9])
+    np.testing.assert_allclose(np.asarray(model.classify(tokens, positions)),
+                               np.asarray(model(tokens))[np.arange(3), np.asarray(positions)], rtol=1e-5, atol=1e-6)
+    assert not hasattr(TransformerLM(ModelConfig(vocab_size=61, max_len=16, d_model=32), 0), "cls_head")
+    graphdef, params = split_model(model)
+    batch = {"inputs": tokens, "positions": positions, "labels": jnp.array([3, -1, 7])}
+    grads = jax.grad(lambda p: make_loss_fn(graphdef)(p, batch)[0])(params)
+    assert float(jnp.abs(grads["cls_head"]).max()) > 0
+
+
+def test_label_loss_cross_entropy_and_squared_error_by_hand():
+    from coupled_qk_jax.training.steps import label_loss
+
+    out = jnp.array([[2.0, 0.0, -1.0], [0.5, 0.5, 0.0], [1.0, 2.0, 3.0]])
+    total, count = label_loss(out, jnp.array([0, 2, -1]))  # the third row is padding
+    ce = -(2.0 - math.log(math.exp(2.0) + 1.0 + math.exp(-1.0))) - (0.0 - math.log(2 * math.exp(0.5) + 1.0))
+    assert float(total) == pytest.approx(ce, rel=1e-6) and int(count) == 2
+    total, count = label_loss(jnp.array([[1.5], [0.0], [2.0]]), jnp.array([1.0, 0.5, jnp.nan]))
+    assert float(total) == pytest.approx(0.5 ** 2 + 0.5 ** 2, rel=1e-6) and int(count) == 2

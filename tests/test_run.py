@@ -39,7 +39,9 @@ EXPECTED = json.load(open(os.path.join(ROOT, "tests", "fixtures", "run_v1_expect
 # The fields added since the fixture was written, each at the default that means what the run did.
 ADDED_NOTES = ["checkpoint.keep_best: not in this run, using default ''",
                "train.schedule_every: not in this run, using default 1",
-               "model.attn_bias: not in this run, using default False"]
+               "model.attn_bias: not in this run, using default False",
+               "train.init_from: not in this run, using default ''",
+               "model.num_labels: not in this run, using default 0"]
 
 
 def _cli(script: str, *args: str, devices: int = 1) -> subprocess.CompletedProcess:

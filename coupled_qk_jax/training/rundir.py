@@ -67,7 +67,9 @@ ADDED_FIELDS = {"train.early_stop.metric": "", "train.early_stop.mode": "max", "
                 # Runs from before multi-slice meshes: one slice.
                 "mesh.dcn_data": 1, "mesh.dcn_fsdp": 1,
                 # Runs from before imported GPT-2 checkpoints: projections without biases.
-                "model.attn_bias": False, "train.init_from": ""}
+                "model.attn_bias": False, "train.init_from": "",
+                # Runs from before sentence classification: the language model alone.
+                "model.num_labels": 0}
 # Fields the code no longer has, with their last default: a run that used it is read (resumed, evaluated) as if the
 # field had never existed; a run that set another value is refused (this version cannot reproduce its results).
 REMOVED_FIELDS = {"model.coupling_lowering": "batched"}  # removed in ab94b09 (one lowering of f over heads)

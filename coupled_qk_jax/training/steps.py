@@ -25,6 +25,19 @@ def masked_cross_entropy(logits: jax.Array, targets: jax.Array) -> tuple[jax.Arr
     return jnp.sum(nll * valid), jnp.sum(valid)
 
 
+def label_loss(outputs: jax.Array, labels: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Summed loss and example count of a classification head's outputs [B, N] (model.classify): softmax cross-entropy
+    over N classes with int labels [B] (< 0: not scored, a padding row), or with N = 1 the squared error against
+    float labels [B] (NaN: not scored)."""
+    if outputs.shape[-1] == 1:
+        valid = ~jnp.isnan(labels)
+        err = jnp.square(outputs[:, 0] - jnp.where(valid, labels, 0.0).astype(jnp.float32))
+        return jnp.sum(err * valid), jnp.sum(valid)
+    valid = labels >= 0
+    nll = optax.softmax_cross_entropy_with_integer_labels(outputs.astype(jnp.float32), jnp.where(valid, labels, 0))
+    return jnp.sum(nll * valid), jnp.sum(valid)
+
+
 def split_model(model: TransformerLM) -> tuple[nnx.GraphDef, dict]:
     graphdef, state = nnx.split(model)
     return graphdef, nnx.to_pure_dict(state)
@@ -39,13 +52,19 @@ def make_loss_fn(graphdef: nnx.GraphDef) -> Callable:
 
     batch: {"inputs", "targets"} int [B, T], and optionally "answer_positions" int [B, K]: the only positions whose
     targets may be scored (MQAR's answers, data.mqar.pad_batch); the logits are then computed there alone and the
-    loss equals the masked loss over all T positions, at a fraction of the head's cost.
+    loss equals the masked loss over all T positions, at a fraction of the head's cost. A sentence task's batch
+    is {"inputs" [B, T], "positions" int [B] (each row's last real token), "labels" [B]} instead: the loss of the
+    classification head there (:func:`label_loss`; "count" is then examples, not tokens).
 
     Under a mesh (sharding.under_mesh, applied by the sharded jits) the model gathers each layer's FSDP-sharded
     weights where that layer runs (sharding.gather_weights).
     """
     def loss_fn(params, batch, dropout_key=None):
         model = nnx.merge(graphdef, params)
+        if "labels" in batch:
+            loss_sum, count = label_loss(model.classify(batch["inputs"], batch["positions"], dropout_key=dropout_key),
+                                         batch["labels"])
+            return loss_sum / jnp.maximum(count, 1), (loss_sum, count)
         positions, targets = batch.get("answer_positions"), batch["targets"]
         if positions is not None:
             targets = jnp.take_along_axis(targets, positions, axis=1)
