@@ -8,13 +8,13 @@ import subprocess
 
 import numpy as np
 import pytest
+from test_training import tiny_config
 
 from coupled_qk_jax.errors import UserError
 from coupled_qk_jax.training import loop, rundir
 from coupled_qk_jax.training.config import EarlyStopConfig
 from coupled_qk_jax.training.early_stop import EarlyStop
 from coupled_qk_jax.training.writers import read_metrics
-from test_training import tiny_config
 
 
 def _rule(num_seeds: int = 1, **fields) -> EarlyStop:
@@ -83,8 +83,13 @@ def test_loop_stops_on_plateau_resumes_to_the_same_step_and_trains_no_further(tm
     rule = {"early_stop.metric": "val_loss", "early_stop.mode": "min", "early_stop.patience": 1,
             "early_stop.min_delta": 1e9}
 
-    def config(**train):
+    def plain(**train):  # one layer: the rule reads evaluations, whatever the model (and each train() traces it)
         cfg = tiny_config(tmp_path, "standard", steps=20, eval_every=4, **train)
+        cfg.model.n_layers = 1
+        return cfg
+
+    def config(**train):
+        cfg = plain(**train)
         for k, v in rule.items():
             cfg.train[k.split(".")[0]][k.split(".")[1]] = v
         return cfg
@@ -93,7 +98,7 @@ def test_loop_stops_on_plateau_resumes_to_the_same_step_and_trains_no_further(tm
     assert straight["status"] == "completed" and straight["step"] == 8 and straight["checkpoint_step"] == 8
     assert straight["early_stop"]["stopped_step"] == 8 and "plateau" in straight["early_stop"]["seeds"][0]
     # history.jsonl names the code of the start: this checkout's commit, as git itself gives it
-    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=os.path.dirname(os.path.dirname(__file__)),
+    head = subprocess.run(["git", "rev-parse", "HEAD"], check=True, cwd=os.path.dirname(os.path.dirname(__file__)),
                           capture_output=True, text=True).stdout.strip()
     start = json.loads((tmp_path / "straight" / rundir.HISTORY).read_text().splitlines()[0])
     assert start["event"] == "start" and head and start["commit"].startswith(head)
@@ -115,7 +120,7 @@ def test_loop_stops_on_plateau_resumes_to_the_same_step_and_trains_no_further(tm
         loop.train(cfg, str(tmp_path / "resumed"), progress=False)
 
     # A run directory written before train.early_stop existed: its config.json lacks the block.
-    old = tiny_config(tmp_path, "standard", steps=20, eval_every=4, stop_after=4)
+    old = plain(stop_after=4)
     loop.train(old, str(tmp_path / "old"), progress=False)
     path = tmp_path / "old" / rundir.CONFIG
     saved = json.loads(path.read_text())

@@ -59,12 +59,26 @@ def test_command_line_epochs_override_changes_steps(monkeypatch):
     assert cfg.to_dict()["train"]["steps"] == 3 * spe  # what the checkpoint's config records
 
 
+# The module's one run: 64 training examples in batches of 32 (2 steps an epoch), 40 validation and 40 test ones.
+NUM_TRAIN, NUM_HELD_OUT, BATCH, EPOCHS = 64, 40, 32, 4
+
+
+def _level():
+    return dataclasses.replace(mqar.LEVELS["easy"], num_train=NUM_TRAIN, num_test=NUM_HELD_OUT,
+                               num_valid=NUM_HELD_OUT)
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """Two steps of MQAR easy (128 training, 40 validation and 40 test examples), two seeds, through the loop."""
+    """Four epochs (8 steps) of MQAR easy, two seeds, through the loop, with an evaluation and a checkpoint every
+    epoch and keep_last 1, so that only checkpoint.keep_every keeps the older evaluated checkpoints (what
+    select_test reads). lr 1e-2: even so a run this short stays near accuracy 0, and ties go to the earliest step
+    (in select_test as in numpy's argmax, the reference)."""
     cfg = mqar_cfg.get_config("coupled_euler,easy")
-    cfg.mqar.update(epochs=1, num_train=128, num_valid=40, num_test=40)
-    cfg.train.num_seeds = 2
+    cfg.mqar.update(epochs=EPOCHS, num_train=NUM_TRAIN, num_valid=NUM_HELD_OUT, num_test=NUM_HELD_OUT,
+                    eval_every_epochs=1)
+    cfg.train.update(batch_size=BATCH, num_seeds=2, lr=1e-2)
+    cfg.checkpoint.keep_last = 1
     workdir = str(tmp_path_factory.mktemp("mqar") / "run")
     summary, state = loop.train(cfg, workdir, progress=False, return_state=True)
     return cfg, workdir, summary, state
@@ -83,8 +97,8 @@ def _forward(graphdef, params, inputs):
 def test_mqar_run_accuracy_equals_hand_count(trained):
     cfg, _, summary, state = trained
     assert summary["task"] == "mqar" and summary["status"] == "completed"
-    assert summary["step"] == cfg.train.steps == 2 and summary["steps_per_epoch"] == 2
-    level = dataclasses.replace(mqar.LEVELS["easy"], num_train=128, num_test=40, num_valid=40)
+    assert summary["step"] == cfg.train.steps == 8 and summary["steps_per_epoch"] == 2
+    level = _level()
     # the run's evaluations (and its summary) score the validation segment
     inputs, labels = level.mix().validation_segments()[0].generate()
     for i in range(2):
@@ -143,7 +157,7 @@ def test_validation_and_test_splits_are_different_segments(trained):
     """eval.py --split=validation and --split=test score different examples (main scored the test segment for
     both): each split's accuracy equals the hand count on its own segment, and the loss differs between them."""
     cfg, workdir, _, _ = trained
-    level = dataclasses.replace(mqar.LEVELS["easy"], num_train=128, num_test=40, num_valid=40)
+    level = _level()
     valid_seg, test_seg = level.mix().validation_segments()[0], level.mix().segments()[1][0]
     assert valid_seg.seed != test_seg.seed
     from coupled_qk_jax.training.run import Run
@@ -282,21 +296,16 @@ def test_no_clipping_passes_a_large_gradient_unchanged():
         assert float(opt_lib.learning_rate_schedule(lm_train)(step)) == float(plain(step))
 
 
-def test_test_split_is_scored_at_each_seeds_validation_selected_checkpoint(tmp_path):
-    """4 epochs of a tiny run, two seeds, an evaluation and a checkpoint every epoch (keep_last 1: only
-    checkpoint.keep_every keeps the older ones). select_test picks each seed's best validation step from
-    metrics.jsonl (reference: numpy argmax here), restores that checkpoint and scores the test segment there
-    (reference: hand count with those params); --prune then leaves only the selected steps and the newest."""
+def test_test_split_is_scored_at_each_seeds_validation_selected_checkpoint(trained):
+    """The module's run (an evaluation and a checkpoint every epoch, keep_last 1). select_test picks each seed's
+    best validation step from metrics.jsonl (reference: numpy argmax here), restores that checkpoint and scores the
+    test segment there (reference: hand count with those params); --prune then leaves only the selected steps and
+    the newest (the newest is what the module's other tests open, so the pruning leaves them their run)."""
     from coupled_qk_jax.training.checkpoint import Checkpointer, abstract_target
     from coupled_qk_jax.training.writers import read_metrics
     from experiments.select_test import select_test
 
-    cfg = mqar_cfg.get_config("standard,easy")
-    cfg.mqar.update(epochs=4, num_train=64, num_valid=40, num_test=40, eval_every_epochs=1)
-    cfg.train.update(batch_size=32, num_seeds=2, lr=1e-2)
-    cfg.checkpoint.keep_last = 1
-    workdir = str(tmp_path / "run")
-    loop.train(cfg, workdir, progress=False)
+    cfg, workdir, _, _ = trained
     rows = [r for r in read_metrics(workdir) if "valid/accuracy" in r]
     steps = sorted({r["step"] for r in rows})
     assert steps == [2, 4, 6, 8]
@@ -304,8 +313,7 @@ def test_test_split_is_scored_at_each_seeds_validation_selected_checkpoint(tmp_p
     expected = [steps[int(np.argmax(acc[:, i]))] for i in range(2)]
     result = select_test(workdir)
     assert result["selected_step"] == expected
-    level = dataclasses.replace(mqar.LEVELS["easy"], num_train=64, num_test=40, num_valid=40)
-    test_seg = level.mix().segments()[1][0]
+    test_seg = _level().mix().segments()[1][0]
     s = loop.setup(RunConfig.from_configdict(cfg), workdir, None, read_only=True)
     try:
         for i, step in enumerate(expected):

@@ -12,6 +12,7 @@ import signal
 import numpy as np
 import pytest
 
+from coupled_qk_jax import diagnostics_report
 from coupled_qk_jax.training import loop
 from experiments import paired, reports, sweep
 
@@ -69,12 +70,16 @@ def test_stopped_sweep_resumes_and_matches_uninterrupted(spec, monkeypatch, caps
     assert not (stopped / "results.csv").exists()
 
     # The uninterrupted reference: its first cell is the finished one copied (--reuse: identical training), its
-    # second cell is trained in one go.
+    # second cell is trained in one go. Only its tables are compared, so it draws no figures (matplotlib is most of
+    # a report's CPU time); the resumed sweep below draws its own.
     trained = []
     real_train = loop.train
     monkeypatch.setattr(loop, "train", lambda cfg, workdir, **kw: (trained.append(workdir), real_train(cfg, workdir,
                                                                                                        **kw))[1])
-    sweep.main([*argv, "--out", str(straight), "--reuse", str(stopped / "runs")])
+    with monkeypatch.context() as no_figures:
+        no_figures.setattr(reports, "plot", lambda results, out: [])
+        no_figures.setattr(diagnostics_report, "plot_diagnostics", lambda report, path, title="": path)
+        sweep.main([*argv, "--out", str(straight), "--reuse", str(stopped / "runs")])
     assert [p.rsplit("/", 1)[-1] for p in trained] == ["coupled_euler"]
 
     # Second invocation: the first cell is not trained again, the second resumes from its step-3 checkpoint.
@@ -115,6 +120,9 @@ def test_stopped_sweep_resumes_and_matches_uninterrupted(spec, monkeypatch, caps
             assert float(r["diag_dt_abs_mean"]) == pytest.approx(np.mean(abs_dt))
     md = (stopped / "results.md").read_text()
     assert "| run |" in md and "python -m experiments.sweep --spec" in md
+    figures = ["loss_vs_tokens.png", "loss_vs_wall.png", *(f"diagnostics/{n}_seed0.png" for n in ("standard",
+                                                                                                   "coupled_euler"))]
+    assert all((stopped / f).stat().st_size > 0 for f in figures)  # the resumed sweep drew its figures
     with open(stopped / "curves.csv") as f:
         curves = list(csv.DictReader(f))
     assert len([c for c in curves if c["split"] == "validation"]) == 2 * 2 * 3  # cells x seeds x evaluations
