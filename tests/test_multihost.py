@@ -1,8 +1,9 @@
 """A real 2-process run on localhost: jax.distributed (gloo CPU collectives), 2 CPU devices per process, a
 (data=1, fsdp=2, tensor=2) mesh whose fsdp axis spans the two processes. It trains 5 steps with an orbax multi-host
 checkpoint at step 3; every loss must equal, bit for bit, the loss of a 1-process run on 4 devices with the same
-mesh shape. train.py itself then stops on 2 processes and resumes on 1 and on 2. The training processes first evaluate on a mesh whose tensor
-axis spans the processes.
+mesh shape. The same processes first evaluate on a mesh whose tensor axis spans the processes, and then train again
+on a data-parallel mesh whose rows interleave between the processes. train.py itself then stops on 2 processes and
+resumes on 1 and on 2; eval.py, export.py and sample.py read a run on 2 processes as an older version did on one.
 
 The processes are started with subprocess.Popen (tests/multihost_worker.py) and joined with a timeout; stragglers
 are killed in `finally`. Plus the pure parts of coupled_qk_jax.distributed (argument / environment resolution).
@@ -18,8 +19,8 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import xla_flags
+
 from coupled_qk_jax import distributed
 
 # Processes with several CPU devices each: in the mesh lane (conftest.py), beside the main session.
@@ -74,8 +75,13 @@ def join(procs: list[subprocess.Popen]) -> list[str]:
     return outs
 
 
-def losses(out: str) -> dict[int, str]:
-    return {int(line.split()[1]): line.split()[2] for line in out.splitlines() if line.startswith("LOSS ")}
+def losses(out: str, name: str) -> dict[int, str]:
+    """The LOSS lines of the training named ``name`` (``<mesh>/<device order>``): step -> float.hex."""
+    return {int(line.split()[2]): line.split()[3] for line in out.splitlines() if line.startswith(f"LOSS {name} ")}
+
+
+def rows_of(out: str, name: str) -> list[str]:
+    return [line.split()[3] for line in out.splitlines() if line.startswith(f"ROWS {name} ")]
 
 
 def exported(out: str) -> tuple[str, str]:
@@ -98,15 +104,29 @@ def eval_result(out: str) -> tuple[float, int]:
 
 
 def test_two_process_train_and_checkpoint_equal_one_process(tmp_path):
-    """Training (mesh 1,2,2: fsdp across the processes) with a multi-host checkpoint (resumes: the train.py test
-    below); and first, in the same processes, an
-    evaluation on a (data=1, fsdp=1, tensor=4) mesh. There the tensor axis spans the processes, so both hold the same
-    batch rows and must feed the same windows (sharding.host_batch_rows gives both every row). Handing windows
-    out by process index instead would score each host's different windows as the same rows: a different loss and
-    half the tokens. Reference: 1 process x 4 devices, same mesh shapes."""
-    single = launch("train", tmp_path / "single", n_processes=1, local_devices=4, eval_mesh="1,1,4")
+    """One start of 2 processes against one of 1 process x 4 devices (same mesh shapes), three programs each:
+
+    - An evaluation on a (data=1, fsdp=1, tensor=4) mesh. There the tensor axis spans the processes, so both hold
+      the same batch rows and must feed the same windows (sharding.host_batch_rows gives both every row). Handing
+      windows out by process index instead would score each host's different windows as the same rows: a different
+      loss and half the tokens.
+    - Training on mesh 1,2,2 (fsdp across the processes) with a multi-host checkpoint (resumes: the train.py test
+      below): losses and the exported final params bit for bit the 1-process run's.
+    - Training on a (data=4) mesh over the devices of the two processes in turn (p0, p1, p0, p1), as a TPU pod's
+      ICI order mixes hosts: each process holds two separate blocks of the batch of 8 (process 0 rows 0-1 and 4-5),
+      loads just those, and the losses are the 1-process run's, bit for bit.
+
+    Why two trainings rather than one: a mesh over 4 devices whose rows interleave between the processes needs
+    data * fsdp = 4, and with fsdp > 1 there the 2-process losses leave the 1-process run's in the last bit
+    (measured: interleaved meshes 2,2,1 at step 5 and 1,4,1 at step 4; presumably gloo sums a reduction over 4
+    devices in another order than one process does), while fsdp = 2 in jax.make_mesh's order and pure data
+    parallelism agree bit for bit. One start of the processes runs both trainings: a second start costs more than
+    a second compiled train step."""
+    extra = ("--then-mesh", "4,1,1")
+    single = launch("train", tmp_path / "single", n_processes=1, local_devices=4, eval_mesh="1,1,4", extra=extra)
     try:
-        two = join(launch("train", tmp_path / "multi", n_processes=2, local_devices=2, eval_mesh="1,1,4"))
+        two = join(launch("train", tmp_path / "multi", n_processes=2, local_devices=2, eval_mesh="1,1,4",
+                          extra=extra))
     finally:
         one = join(single)[0]
 
@@ -117,18 +137,6 @@ def test_two_process_train_and_checkpoint_equal_one_process(tmp_path):
     # all-gather (distributed.symmetric_compilation_cache). The 1-process run is the positive control.
     assert "COMPILATION_CACHE True" in one
     assert all("COMPILATION_CACHE False" in o for o in two)
-    reference = losses(one)
-    assert sorted(reference) == [1, 2, 3, 4, 5]
-    assert len(set(reference.values())) == 5, "the loss must change from step to step (else nothing is trained)"
-    for out in two:  # both processes see the same replicated loss, bit for bit the 1-process one
-        assert losses(out) == reference
-    # export.flatten_params of the final params: on 2 processes (fsdp across them, so no process holds a whole
-    # weight) every process gets the 1-process run's tensors, bit for bit.
-    digest, whole = exported(one)
-    assert whole == "True"
-    for out in two:
-        assert exported(out) == (digest, "False")
-    assert (tmp_path / "multi" / "ckpt" / "3").is_dir()
 
     ref_loss, ref_tokens = eval_result(one)
     assert ref_tokens == 1000  # every token of the stream scored exactly once (bos_id given)
@@ -137,25 +145,28 @@ def test_two_process_train_and_checkpoint_equal_one_process(tmp_path):
         assert tokens == ref_tokens
         assert loss == pytest.approx(ref_loss, rel=1e-6)
 
-    assert distributed.initialize_distributed(num_processes=1) is False
+    fsdp = "1,2,2/make_mesh"
+    reference = losses(one, fsdp)
+    assert sorted(reference) == [1, 2, 3, 4, 5]
+    assert len(set(reference.values())) == 5, "the loss must change from step to step (else nothing is trained)"
+    for out in two:  # both processes see the same replicated loss, bit for bit the 1-process one
+        assert losses(out, fsdp) == reference
+    # export.flatten_params of the final params: on 2 processes (fsdp across them, so no process holds a whole
+    # weight) every process gets the 1-process run's tensors, bit for bit.
+    digest, whole = exported(one)
+    assert whole == "True"
+    for out in two:
+        assert exported(out) == (digest, "False")
+    assert (tmp_path / "multi" / "ckpt" / "3").is_dir()
 
-
-def test_two_processes_whose_rows_interleave_equal_one_process(tmp_path):
-    """A (data=4) mesh over the devices of the two processes in turn (p0, p1, p0, p1), as a TPU pod's ICI order
-    mixes hosts: each process holds two separate blocks of the batch of 8 (process 0 rows 0-1 and 4-5), loads
-    just those, and the losses are the 1-process run's, bit for bit."""
-    extra = ("--steps", "3", "--save-at", "2", "--device-order", "interleaved")
-    single = launch("train", tmp_path / "single", n_processes=1, local_devices=4, mesh="4,1,1", extra=extra)
-    try:
-        two = join(launch("train", tmp_path / "multi", n_processes=2, local_devices=2, mesh="4,1,1", extra=extra))
-    finally:
-        one = join(single)[0]
-    rows = [[line.split()[2] for line in out.splitlines() if line.startswith("ROWS ")] for out in (one, *two)]
-    assert rows == [["0,1,2,3,4,5,6,7"], ["0,1,4,5"], ["2,3,6,7"]]
-    reference = losses(one)
+    interleaved = "4,1,1/interleaved"
+    assert [rows_of(out, interleaved) for out in (one, *two)] == [["0,1,2,3,4,5,6,7"], ["0,1,4,5"], ["2,3,6,7"]]
+    reference = losses(one, interleaved)
     assert sorted(reference) == [1, 2, 3] and len(set(reference.values())) == 3
     for out in two:
-        assert losses(out) == reference
+        assert losses(out, interleaved) == reference
+
+    assert distributed.initialize_distributed(num_processes=1) is False
 
 
 # ------------------------------------------------------------------------------------------ train.py end to end
@@ -211,7 +222,7 @@ def test_train_py_two_processes_matches_one_process_and_resumes_on_any_host_coun
     control for the "tokenising" line."""
     corpus = tmp_path / "corpus"
     corpus.mkdir()
-    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
+    words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa", "lambda", "mu"]
     import numpy as np
 
     rng = np.random.default_rng(0)
@@ -264,50 +275,48 @@ _GLOO_REPORT = re.compile(r"\[Gloo\] Rank |\d+ is connected to |\d+ peer ranks\.
                           r"ranks is : \d+\n?")
 
 
-def _readers(script: str, args: list[str], outs: dict[str, pathlib.Path]) -> dict[str, list[str]]:
-    """``script`` run as 1 process x 4 CPU devices ("one") beside 2 processes x 2 devices ("two"), each with its
-    own ``--out`` (``outs[name]``; None: no --out); returns each run's stdouts (one per process)."""
-    procs: dict[str, list[subprocess.Popen]] = {}
+def _readers(script: str, args: list[str]) -> list[str]:
+    """``script`` run as 2 processes x 2 CPU devices; returns their stdouts (one per process)."""
+    port = pytest.importorskip("portpicker").pick_unused_port()
+    procs = []
     try:
-        for name, n in (("one", 1), ("two", 2)):
-            cluster_of = [{}]
-            if n > 1:
-                portpicker = pytest.importorskip("portpicker")
-                port = portpicker.pick_unused_port()
-                cluster_of = [{distributed.ENV_COORDINATOR: f"127.0.0.1:{port}", distributed.ENV_NUM_PROCESSES: str(n),
-                               distributed.ENV_PROCESS_ID: str(pid)} for pid in range(n)]
-            out = [f"--out={outs[name]}"] if outs.get(name) else []
-            procs[name] = [subprocess.Popen([sys.executable, str(ROOT / script), *args, *out], cwd=ROOT,
-                                            env=_env(4 // n, cluster), stdout=subprocess.PIPE,
-                                            stderr=subprocess.PIPE, text=True) for cluster in cluster_of]
+        for pid in range(2):
+            cluster = {distributed.ENV_COORDINATOR: f"127.0.0.1:{port}", distributed.ENV_NUM_PROCESSES: "2",
+                       distributed.ENV_PROCESS_ID: str(pid)}
+            procs.append(subprocess.Popen([sys.executable, str(ROOT / script), *args], cwd=ROOT,
+                                          env=_env(2, cluster), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                          text=True))
     finally:
-        results = {}
-        for name, ps in procs.items():
-            results[name] = []
-            for p in ps:
-                try:
-                    stdout, stderr = p.communicate(timeout=TIMEOUT_S)
-                finally:
-                    if p.poll() is None:
-                        p.kill()
-                        p.communicate()
-                assert p.returncode == 0, f"{script} ({name}) exited with {p.returncode}:\n{stderr[-4000:]}"
-                # gloo reports its connections on stdout from C++ (unbuffered, so a report may be split); the
-                # script's lines are the rest.
-                results[name].append(_GLOO_REPORT.sub("", stdout))
+        results = []
+        for p in procs:
+            try:
+                stdout, stderr = p.communicate(timeout=TIMEOUT_S)
+            finally:
+                if p.poll() is None:
+                    p.kill()
+                    p.communicate()
+            assert p.returncode == 0, f"{script} exited with {p.returncode}:\n{stderr[-4000:]}"
+            # gloo reports its connections on stdout from C++ (unbuffered, so a report may be split); the script's
+            # lines are the rest.
+            results.append(_GLOO_REPORT.sub("", stdout))
     return results
 
 
 def test_readers_on_two_processes_equal_one_process(tmp_path):
     """eval.py, export.py and sample.py launched on 2 processes (gloo collectives, 2 CPU devices each) on an
-    (fsdp=4) mesh that splits every weight across the processes, so that no process holds a whole one: each
-    equals the same command on 1 process x 4 devices (same mesh shape), and the answers the fixture's writing
-    code gave (tests/fixtures/README.md): the evaluation to float32 summation order, the exported weights and the
-    greedy samples exactly. Process 0 alone prints and writes."""
+    (fsdp=4) mesh that splits every weight across the processes, so that no process holds a whole one: each gives
+    the answers that the fixture's writing code gave on 1 process (tests/fixtures/README.md): the evaluation to
+    float32 summation order, the exported weights (names, dtypes, shapes and bytes) and the greedy samples
+    exactly. Process 0 alone prints and writes, and prints what the 1-process commands print. (The same commands
+    on 1 process x 4 devices are not run beside them: the fixture's answers are that reference, and
+    tests/test_run.py runs the readers' CLIs on 1 process against the same answers.)"""
     import hashlib
     import json
+    import math
 
     import numpy as np
+
+    from coupled_qk_jax import export
 
     expected = json.loads((ROOT / "tests" / "fixtures" / "run_v1_expected.json").read_text())
     run = tmp_path / "run_v1"
@@ -315,44 +324,51 @@ def test_readers_on_two_processes_equal_one_process(tmp_path):
     shutil.copytree(FIXTURE, run)
     mesh = "--mesh=fsdp:4"
 
-    evals = {name: tmp_path / f"eval_{name}" for name in ("one", "two")}
-    out = _readers("eval.py", [f"--workdir={run}", mesh], evals)
-    assert out["two"][1] == "", out  # process 1 prints nothing
-    assert out["two"][0] == out["one"][0].replace(str(evals["one"]), str(evals["two"])), out
-    results = {name: json.loads((d / "eval_validation_step6.json").read_text()) for name, d in evals.items()}
-    assert results["two"]["mesh"] == results["one"]["mesh"] == {"data": 1, "fsdp": 4, "tensor": 1}
-    assert (results["two"]["step"], results["two"]["tokens"]) == (results["one"]["step"], results["one"]["tokens"])
+    evals = tmp_path / "eval"
+    out = _readers("eval.py", [f"--workdir={run}", mesh, f"--out={evals}"])
+    assert out[1] == "", out  # process 1 prints nothing
+    path = evals / f"eval_validation_step{expected['step']}.json"
+    result = json.loads(path.read_text())
+    assert result["mesh"] == {"data": 1, "fsdp": 4, "tensor": 1}
+    assert (result["step"], result["tokens"]) == (expected["step"], expected["validation"]["tokens"])
     # Each host reads windows k mod 2 of the split, so a batch holds the 1-process run's windows in another row
     # order: its float32 NLL sum differs in the last bits (every window is scored once either way: the tokens).
-    for key in ("loss", "ppl"):
-        assert results["two"][key] == pytest.approx(results["one"][key], rel=1e-6), key
-    assert results["two"]["tokens"] == expected["validation"]["tokens"]
-    assert results["two"]["loss"] == pytest.approx(expected["validation"]["loss"], rel=1e-6)
+    assert result["loss"] == pytest.approx(expected["validation"]["loss"], rel=1e-6)
+    assert result["ppl"] == pytest.approx(expected["validation"]["ppl"], rel=1e-5)
+    assert result["ppl"] == pytest.approx(math.exp(result["loss"]), rel=1e-6)
+    # What eval.py prints on one process (eval.print_result): the result's line, then where it was written.
+    assert out[0] == (f"step {expected['step']} validation: loss {result['loss']:.4f}, ppl {result['ppl']:.3f} over "
+                      f"{expected['validation']['tokens']} tokens\n-> {path}\n"), out
+    assert f"loss {result['loss']:.4f}," in out[0] and f"loss {expected['validation']['loss']:.4f}," in out[0]
 
-    exports = {name: tmp_path / f"export_{name}" for name in ("one", "two")}
-    out = _readers("export.py", [f"--workdir={run}", mesh], exports)
-    assert out["two"][1] == "" and out["two"][0] == f"exported {run} -> {exports['two']}\n", out
-    files = {name: (d / "model.safetensors").read_bytes() for name, d in exports.items()}
-    # The JSON header, then the tensors' bytes. The safetensors writer orders the header's metadata entries
-    # differently from run to run (a hash map), so the header is compared parsed; the data section bitwise.
-    header_end = {name: 8 + int.from_bytes(b[:8], "little") for name, b in files.items()}
-    assert json.loads(files["two"][8:header_end["two"]]) == json.loads(files["one"][8:header_end["one"]])
-    assert files["two"][header_end["two"]:] == files["one"][header_end["one"]:]
+    exported = tmp_path / "export"
+    out = _readers("export.py", [f"--workdir={run}", mesh, f"--out={exported}"])
+    assert out[1] == "" and out[0] == f"exported {run} -> {exported}\n", out
+    data = (exported / "model.safetensors").read_bytes()
+    # The JSON header, then the tensors' bytes: every tensor the fixture's has, with its dtype and shape, packed
+    # end to end in name order (safetensors' layout for tensors of one dtype), and the format's metadata.
+    header_end = 8 + int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:header_end])
+    assert header.pop("__metadata__") == {"format": export.FORMAT, "format_version": str(export.FORMAT_VERSION)}
+    assert {k: (v["dtype"], v["shape"]) for k, v in header.items()} == \
+        {k: ({"float32": "F32"}[v["dtype"]], v["shape"]) for k, v in expected["export"].items()}
+    offsets = [header[k]["data_offsets"] for k in sorted(header)]
+    assert [b for b, _ in offsets] == [0] + [e for _, e in offsets[:-1]] and offsets[-1][1] == len(data) - header_end
     from safetensors.numpy import load_file
 
-    tensors = load_file(str(exports["two"] / "model.safetensors"))
+    tensors = load_file(str(exported / "model.safetensors"))
     assert {k: hashlib.sha256(np.ascontiguousarray(v).tobytes()).hexdigest() for k, v in tensors.items()} == \
         {k: v["sha256"] for k, v in expected["export"].items()}
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["run_v1", *(d.name for d in [*evals.values(),
-                                                                                             *exports.values()])])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["eval", "export", "run_v1"]
 
     greedy = expected["greedy"]
-    ids = [f"--ids={','.join(map(str, p))}" for p in greedy["prompts"]]
-    out = _readers("sample.py", [f"--workdir={run}", mesh, *ids, "--temperature=0", "--nostop_at_eot",
-                                 f"--max_new_tokens={greedy['new_tokens']}"], {})
-    assert out["two"][1] == "" and out["two"][0] == out["one"][0], out
+    ids = [",".join(map(str, p)) for p in greedy["prompts"]]
+    out = _readers("sample.py", [f"--workdir={run}", mesh, *(f"--ids={i}" for i in ids), "--temperature=0",
+                                 "--nostop_at_eot", f"--max_new_tokens={greedy['new_tokens']}"])
+    assert out[1] == "", out
     from coupled_qk_jax.data.tokenizer import ByteTokenizer
 
     texts = [ByteTokenizer().decode(np.asarray(p + t)) for p, t in zip(greedy["prompts"], greedy["tokens"])]
-    assert [line for line in out["two"][0].splitlines() if not line.startswith("--- sample")] == \
-        [line for text in texts for line in text.splitlines()], out["two"][0]
+    # What sample.py prints on one process: a header per sample, then the prompt and its greedy continuation.
+    assert out[0] == "".join(f"--- sample 1 of prompt ids {i}: {greedy['new_tokens']} new tokens\n{text}\n"
+                             for i, text in zip(ids, texts)), out[0]
