@@ -50,7 +50,7 @@ MESH_DEVICES = 8
 # (last: an idle in-tree run with the fusion-emitter switch, main session 314 s against 265 s and 244 s for the
 # lanes, so test_early_stop and test_qkov moved): these take about as long as what stays in the main session beside
 # the mesh lane. (Moving test_gcs here measured worse: 739 / 666 / 683 s against 672 / 586 / 568 s.)
-SECOND_LANE_MODULES = ("test_attention.py", "test_dynamics.py", "test_early_stop.py", "test_generate.py",
+SECOND_LANE_MODULES = ("test_attention.py", "test_convert.py", "test_dynamics.py", "test_early_stop.py", "test_generate.py",
                        "test_lowering.py", "test_model.py", "test_precision.py", "test_qkov.py", "test_qkov_bridge.py",
                        "test_scan.py")
 # Set in a lane subprocess: where it appends one JSON line per finished test, and its device count.
