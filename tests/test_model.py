@@ -264,19 +264,24 @@ def test_classification_head_reads_the_last_real_tokens_final_hidden_state():
     at each row's position is the language model's logits there; a gradient reaches the head through the loss."""
     from coupled_qk_jax.training.steps import make_loss_fn, split_model
 
-    cfg = ModelConfig(variant="coupled_euler", vocab_size=61, max_len=16, d_model=32, n_layers=2, n_heads=4, d_ff=64,
-                      num_labels=61)
-    model = TransformerLM(cfg, 0)
-    model.cls_head[...] = model.embed[...].T
+    cfg = ModelConfig(vocab_size=61, max_len=16, d_model=32, n_layers=1, n_heads=4, d_ff=64, num_labels=61)
+    graphdef, params = split_model(TransformerLM(cfg, 0))
+    params["cls_head"] = params["embed"].T
     tokens = jax.random.randint(jax.random.key(1), (3, 16), 0, 61)
     positions = jnp.array([15, 4, 9])
-    np.testing.assert_allclose(np.asarray(model.classify(tokens, positions)),
-                               np.asarray(model(tokens))[np.arange(3), np.asarray(positions)], rtol=1e-5, atol=1e-6)
-    assert not hasattr(TransformerLM(ModelConfig(vocab_size=61, max_len=16, d_model=32), 0), "cls_head")
-    graphdef, params = split_model(model)
     batch = {"inputs": tokens, "positions": positions, "labels": jnp.array([3, -1, 7])}
-    grads = jax.grad(lambda p: make_loss_fn(graphdef)(p, batch)[0])(params)
-    assert float(jnp.abs(grads["cls_head"]).max()) > 0
+
+    @jax.jit
+    def run(params):
+        model = nnx.merge(graphdef, params)
+        grads = jax.grad(lambda p: make_loss_fn(graphdef)(p, batch)[0])(params)
+        return model.classify(tokens, positions), model(tokens), grads["cls_head"]
+
+    heads, logits, head_grad = run(params)
+    np.testing.assert_allclose(np.asarray(heads), np.asarray(logits)[np.arange(3), np.asarray(positions)],
+                               rtol=1e-5, atol=1e-6)
+    assert float(jnp.abs(head_grad).max()) > 0
+    assert not hasattr(TransformerLM(ModelConfig(vocab_size=61, max_len=16, d_model=32, n_layers=1), 0), "cls_head")
 
 
 def test_label_loss_cross_entropy_and_squared_error_by_hand():
