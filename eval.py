@@ -11,7 +11,9 @@ process's devices (default: all of them on the data axis); process 0 prints and 
 only a confirmation: one that disagrees with the run in what is evaluated (model, data, task) is refused with the
 differing fields; other differences are ignored with a note. Every token of the split is scored exactly once. The
 result is printed first, then written to OUT/eval_<split>_step<step>[_replica<K>].json (OUT defaults to DIR/eval);
-the training summary is never touched, and a read-only DIR works with --out elsewhere. See docs/training.md.
+the training summary is never touched, and a read-only DIR works with --out elsewhere. A GLUE run's test labels
+are not public: --split=test writes GLUE's submission files (OUT/SST-2.tsv, ...) from one replica (0, or --replica)
+instead. See docs/training.md.
 """
 
 from __future__ import annotations
@@ -62,6 +64,11 @@ def _eval() -> None:
     replica = cli.parse_replica(FLAGS.replica)
     if replica != "all":
         run.check_replica(replica)
+    if run.config.task == "glue" and FLAGS.split == "test":  # no public labels: GLUE's submission files instead
+        files = run.write_glue_predictions(out, FLAGS.step, 0 if replica == "all" else replica)
+        for path in files:
+            print(f"test predictions -> {path}", flush=True)
+        return
     result = run.evaluate(FLAGS.split, FLAGS.step, replica)
     # Every process evaluates (the mesh spans them); one prints and writes, the others hold the same result.
     main_process = jax.process_index() == 0

@@ -359,9 +359,10 @@ def to_host(x: jax.Array | np.ndarray) -> np.ndarray:
 
 # ---------------------------------------------------------------------------------------------------------- batches
 def batch_sharding(mesh: Mesh, seed_axis: bool = False) -> NamedSharding:
-    """[B, T] batches: B split over (data, fsdp), T replicated. With ``seed_axis``, [S, B, T] batches of a
-    seed-parallel run (one batch per seed): S replicated, each seed's batch split as a single run's."""
-    return NamedSharding(mesh, P(*((None,) if seed_axis else ()), BATCH_AXES, None))
+    """[B, ...] batches: B split over (data, fsdp), every later axis replicated ([B, T] tokens, and [B] labels of a
+    sentence task alike). With ``seed_axis``, [S, B, ...] batches of a seed-parallel run (one batch per seed): S
+    replicated, each seed's batch split as a single run's."""
+    return NamedSharding(mesh, P(*((None,) if seed_axis else ()), BATCH_AXES))
 
 
 def host_batch_rows(mesh: Mesh, process_index: int, global_batch_size: int) -> np.ndarray:

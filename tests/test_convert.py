@@ -185,3 +185,61 @@ def test_a_source_that_does_not_fit_the_model_is_one_line(standard, tmp_path):
         loop.train(_continue_config(tmp_path, out, attn_bias=False), str(tmp_path / "run"), progress=False)
     with pytest.raises(UserError, match="neither an export folder"):
         loop.train(_continue_config(tmp_path, tmp_path), str(tmp_path / "run2"), progress=False)
+
+
+# ------------------------------------------------------------------------------------------ GLUE from the import
+def _write_sst2(root):
+    """A tiny SST-2 folder in GLUE's layout: a sentence is positive exactly when it holds "good"."""
+    rng = np.random.default_rng(0)
+    words = ["the", "film", "was", "plot", "actors", "very", "quite", "rather", "and", "but", "story"]
+
+    def sentence(positive: bool) -> str:
+        w = list(rng.choice(words, 5))
+        w.insert(int(rng.integers(0, 5)), "good" if positive else "bad")
+        return " ".join(w)
+
+    root.mkdir()
+    labels = {"train": rng.integers(0, 2, 40), "dev": rng.integers(0, 2, 13)}
+    for name, y in labels.items():
+        (root / f"{name}.tsv").write_text("sentence\tlabel\n" + "".join(f"{sentence(v)}\t{v}\n" for v in y))
+    (root / "test.tsv").write_text("index\tsentence\n" + "".join(f"{i}\t{sentence(i % 2 == 0)}\n" for i in range(7)))
+    return labels
+
+
+def test_glue_fine_tuning_from_the_import_scores_and_submits(standard, tmp_path):
+    """configs/glue.py on a tiny SST-2 folder, from the GPT-2 import (its tokenizer found through init_from): the
+    validation accuracy in summary.json is the one computed here from the restored model's head on the whole dev
+    set in one batch (the evaluator batches 13 examples by 4, padding the last batch), and eval.py --split=test's
+    SST-2.tsv holds that model's argmax for every test row, in GLUE's format."""
+    from configs.glue import get_config
+    from coupled_qk_jax.data import glue
+    from coupled_qk_jax.training import loop
+    from coupled_qk_jax.training.run import Run
+
+    out, _, tokenizer, _ = standard
+    labels = _write_sst2(tmp_path / "SST-2")
+    cfg = get_config("standard,tiny,sst2")
+    cfg.model.update({"vocab_size": 512, "max_len": 64, "d_model": 64, "n_layers": 2, "n_heads": 4, "d_ff": 256,
+                      "norm": "layernorm", "attn_bias": True, "dtype": "float32", "scan_layers": False})
+    cfg.data.update(corpus=f"glue:sst2:{tmp_path / 'SST-2'}", seq_len=32)
+    cfg.train.update(steps=6, batch_size=8, eval_batch_size=4, warmup_steps=1, lr=1e-3, log_every=3, eval_every=3,
+                     init_from=str(out))
+    cfg.checkpoint.update(every=3)
+    summary = loop.train(cfg, str(tmp_path / "run"), progress=False)
+    assert summary["step"] == 6 and summary["task"] == "glue"
+
+    run = Run.open(tmp_path / "run", report=False)
+    model = run.model(step=6)
+    dev = glue.encode(glue.load_examples(f"glue:sst2:{tmp_path / 'SST-2'}", "validation"), tokenizer, 32)
+    assert dev["labels"].tolist() == labels["dev"].tolist()
+    predicted = np.asarray(model.classify(dev["inputs"], dev["positions"])).argmax(-1)
+    accuracy = float(np.mean(predicted == labels["dev"]))
+    assert summary["valid/accuracy"] == pytest.approx(accuracy, abs=1e-12)
+    assert run.evaluate("validation", step=6)["valid/examples"] == 13
+
+    written = run.write_glue_predictions(str(tmp_path / "submit"))
+    assert [os.path.basename(p) for p in written] == ["SST-2.tsv"]
+    test = glue.encode(glue.load_examples(f"glue:sst2:{tmp_path / 'SST-2'}", "test"), tokenizer, 32)
+    expected = np.asarray(model.classify(test["inputs"], test["positions"])).argmax(-1)
+    rows = (tmp_path / "submit" / "SST-2.tsv").read_text().splitlines()
+    assert rows == ["index\tprediction"] + [f"{i}\t{int(p)}" for i, p in enumerate(expected)]

@@ -32,7 +32,7 @@ import ml_collections
 from coupled_qk_jax.config import ModelConfig
 from coupled_qk_jax.errors import UserError, did_you_mean
 
-TASKS = ("lm", "mqar")
+TASKS = ("lm", "mqar", "glue")
 EARLY_STOP_MODES = ("max", "min")
 KEEP_BEST = ("", "validation_loss")
 
@@ -350,6 +350,9 @@ class RunConfig:
             raise UserError(f"task must be one of {', '.join(TASKS)}, got {self.task!r}")
         if self.task == "mqar" and self.mqar is None:
             raise UserError("task='mqar' needs the mqar block: use configs/mqar.py:VARIANT,LEVEL")
+        if self.task == "glue" and not self.data.corpus.startswith("glue:"):
+            raise UserError(f"task='glue' reads data.corpus='glue:TASK[:DIR]', got {self.data.corpus!r}; use "
+                            "configs/glue.py:VARIANT,SCALE,TASK")
         if self.data.seq_len > self.model.max_len:
             raise UserError(f"data.seq_len={self.data.seq_len} exceeds model.max_len={self.model.max_len}")
 

@@ -72,7 +72,7 @@ _STOP_SIGNAL: list[int] = []
 
 
 # The loss each task's periodic evaluation reports: what checkpoint.keep_best=validation_loss ranks by.
-LOSS_METRIC = {"lm": "val_loss", "mqar": "valid/loss"}
+LOSS_METRIC = {"lm": "val_loss", "mqar": "valid/loss", "glue": "valid/loss"}
 
 
 def stop_signal() -> int | None:
@@ -185,9 +185,14 @@ def prepare_data(run: RunConfig, config_json: dict[str, Any], workdir: str,
         for note in rundir.upgrade_config(saved_cfg)[1]:
             print(f"note: {note}", file=sys.stderr, flush=True)
     saved = rundir.read_json(os.path.join(workdir, rundir.DATA))
-    if run.task != "lm":  # generated data (MQAR): fixed by the config, which is checked above
+    if run.task != "lm":  # generated data (MQAR) or GLUE's files: named by the config, which is checked above
         fingerprint = {"task": run.task}
         if saved is None and jax.process_index() == 0:
+            if run.task == "glue":  # the tokenizer goes with the run, so that it evaluates wherever it is moved
+                tokenizer = tasks.sentence_tokenizer(run)
+                if tokenizer.kind == "bpe":
+                    tokenizer.save(os.path.join(workdir, rundir.TOKENIZER))
+                fingerprint["tokenizer"] = {"kind": tokenizer.kind, "vocab_size": int(tokenizer.vocab_size)}
             rundir.write_json(os.path.join(workdir, rundir.DATA), fingerprint)
         return None, fingerprint, changes
     spec = run.data.corpus_spec()
@@ -301,6 +306,8 @@ def setup(run: RunConfig, workdir: str, cache: Any = None, *, read_only: bool = 
     if run.task == "lm":
         cache = cache if cache is not None else load_data(run)
         task = tasks.LMTask(run, cache)
+    elif run.task == "glue":
+        task = tasks.GlueTask(run, batch_devices, tasks.sentence_tokenizer(run, workdir))
     else:
         task = tasks.MQARTask(run, batch_devices)
     task.validate(batch_devices)

@@ -286,7 +286,19 @@ class Run:
                 run.train, eval_batch_size=math.ceil(rows / devices) * devices))
         if run.task == "lm":
             return tasks.LMTask(run, self.data)
+        if run.task == "glue":
+            return tasks.GlueTask(run, devices, tasks.sentence_tokenizer(run, self.workdir))
         return tasks.MQARTask(run, devices)
+
+    def write_glue_predictions(self, out_dir: str, step: int | None = None, replica: int = 0) -> list[str]:
+        """A GLUE run's submission files (GLUE's format, one per test split) from one replica of checkpoint
+        ``step`` (default: the newest intact one), written to ``out_dir`` by process 0; returns their paths."""
+        if self.config.task != "glue":
+            raise UserError(f"{self.workdir} is a {self.config.task} run; test predictions are written for GLUE runs")
+        at, _ = self.state(step)
+        task = self.task()
+        return task.write_test_predictions(self.layout.graphdef, self.layout.param_shardings, self.mesh,
+                                           self.params(at, self.check_replica(replica)), out_dir)
 
     def evaluate(self, split: str = "validation", step: int | None = None,
                  replica: int | str = "all") -> dict[str, Any]:

@@ -15,6 +15,9 @@ Tasks:
 * :class:`LMTask` (``task = "lm"``): shuffled windows of a token cache, every token a target once per epoch
   (``data.pipeline``), each seed its own order
   (``seed`` = the model seed, as in a single run); validation loss and perplexity over every token of a split.
+* :class:`GlueTask` (``task = "glue"``, ``configs/glue.py``): a GLUE task's examples (``data.glue``) in a seeded order
+  reshuffled every epoch, scored by the classification head (``model.num_labels``); the task's official metrics on
+  its validation split(s), and GLUE's submission files for its test split(s) (:meth:`GlueTask.write_test_predictions`).
 * :class:`MQARTask` (``task = "mqar"``, ``configs/mqar.py``): the training examples in a seeded order, reshuffled every
   epoch (``mqar.shuffle``; off = zoology's fixed order, the same for every seed), accuracy per segment on the labelled
   positions only (``data.mqar.MQARAccuracy``) and the masked cross-entropy of the held-out split asked for: the
@@ -41,13 +44,14 @@ from coupled_qk_jax.data.token_cache import TokenCache
 from coupled_qk_jax.errors import UserError
 from coupled_qk_jax.training.config import RunConfig
 from coupled_qk_jax.training.evaluate import evaluate_tokens
-from coupled_qk_jax.training.steps import make_eval_step, masked_cross_entropy
+from coupled_qk_jax.training.steps import label_loss, make_eval_step, masked_cross_entropy
 
 Evaluator = Callable[..., dict[str, Any]]
 
 
 # The periodic evaluation's metrics per task (what train.early_stop.metric may watch).
-METRIC_NAMES = {"lm": ("val_loss", "val_ppl"), "mqar": ("valid/accuracy", "valid/loss")}
+METRIC_NAMES = {"lm": ("val_loss", "val_ppl"), "mqar": ("valid/accuracy", "valid/loss"),
+                "glue": ("valid/main", "valid/loss")}
 
 
 def _jit_eval(fn: Callable, params_shardings: Any, mesh: Mesh, num_seeds: int) -> Callable:
@@ -286,3 +290,185 @@ class MQARTask:
         return {"level": lvl.name, "protocol": self.protocol, "seq_len": lvl.seq_len, "num_kv_pairs": lvl.num_kv_pairs,
                 "num_train": lvl.num_train, "num_valid": lvl.num_valid, "num_test": lvl.num_test,
                 "steps_per_epoch": len(self.train), "shuffle": self.shuffle}
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# GLUE: sentence classification and regression.
+# --------------------------------------------------------------------------------------------------------------------
+
+
+class _ExampleBatches:
+    """Encoded examples (``data.glue.encode``) as batches of ``batch_size`` rows, ``[b]`` in stored order;
+    :meth:`shuffled` gives batch ``i`` of the seeded order, epoch ``i // len(self)`` a fresh permutation. Every epoch is
+    each example once; a last, short batch is filled with copies of its first row whose labels are not scored
+    (-1, or NaN for a regression), so every batch has one shape."""
+
+    KEYS = ("inputs", "positions", "labels")
+
+    def __init__(self, encoded: dict[str, np.ndarray], batch_size: int) -> None:
+        self.encoded, self.batch_size = encoded, batch_size
+        self.n = int(encoded["labels"].shape[0])
+
+    def __len__(self) -> int:
+        return math.ceil(self.n / self.batch_size)
+
+    def rows(self, rows: np.ndarray) -> dict[str, np.ndarray]:
+        batch = {k: self.encoded[k][rows] for k in self.KEYS}
+        pad = self.batch_size - len(rows)
+        if pad:
+            batch = {k: np.concatenate([v, np.repeat(v[:1], pad, axis=0)]) for k, v in batch.items()}
+            unscored = np.nan if np.issubdtype(batch["labels"].dtype, np.floating) else -1
+            batch["labels"][len(rows):] = unscored
+        return batch
+
+    def __getitem__(self, b: int) -> dict[str, np.ndarray]:
+        return self.rows(np.arange(b * self.batch_size, min((b + 1) * self.batch_size, self.n)))
+
+    def shuffled(self, seed: int) -> Callable[[int, Any], dict[str, np.ndarray]]:
+        def batch(index: int, _: Any) -> dict[str, np.ndarray]:
+            epoch, b = divmod(int(index), len(self))
+            perm = np.random.default_rng(np.random.SeedSequence([seed, epoch])).permutation(self.n)
+            return self.rows(perm[b * self.batch_size:(b + 1) * self.batch_size])
+
+        return batch
+
+
+class _Rows:
+    """A batch -> this host's rows of it (``sharding.host_batch_rows``; None = every row)."""
+
+    def __init__(self, rows: np.ndarray | None) -> None:
+        self.rows = slice(None) if rows is None else np.asarray(rows, dtype=np.int64)
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {k: v[self.rows] for k, v in batch.items()}
+
+
+def sentence_tokenizer(config: RunConfig, workdir: str | None = None) -> Any:
+    """The tokenizer a sentence task encodes with: the run directory's copy (``tokenizer.json``, written at its first
+    start) when there is one, else ``data.tokenizer_path`` (a BPE ``tokenizer.json``), else ``train.init_from``'s
+    ``tokenizer.json`` (an export folder's or a run directory's), else the byte tokenizer (``data.tokenizer =
+    "byte"``)."""
+    import os  # noqa: PLC0415
+
+    from coupled_qk_jax.data.tokenizer import BPETokenizer, ByteTokenizer  # noqa: PLC0415
+    from coupled_qk_jax.training import rundir  # noqa: PLC0415
+
+    copy = rundir.run_tokenizer_path(workdir) if workdir else None
+    source = config.train.init_from and os.path.join(config.train.init_from, rundir.TOKENIZER)
+    path = copy or config.data.tokenizer_path or (source if source and os.path.isfile(source) else "")
+    if path:
+        if not os.path.isfile(path):
+            raise UserError(f"data.tokenizer_path={path}: no such file; give the tokenizer.json the model was "
+                            f"trained with (an export folder's, or a run directory's)")
+        return BPETokenizer.load(path)
+    if config.data.tokenizer != "byte":
+        raise UserError("a GLUE run needs the model's tokenizer: train.init_from with a tokenizer.json, or "
+                        "--config.data.tokenizer_path=RUN/tokenizer.json (data.tokenizer=byte for a byte-level model)")
+    return ByteTokenizer()
+
+
+class GlueTask:
+    """A GLUE task (``data.corpus = "glue:TASK[:DIR]"``, ``data.glue``): training on its train split through the
+    classification head, the task's official metrics on its validation split(s).
+
+    ``tokenizer`` encodes the sentences (the run's: ``train.init_from``'s tokenizer for a fine-tuned model). "validation"
+    is the task's first validation split (MNLI: matched); a second one (MNLI mismatched) is reported beside it as
+    ``valid/<its suffix>/<metric>``. Held-out batches hold ``train.eval_batch_size`` rows (0: ``train.batch_size``).
+    """
+
+    name = "glue"
+
+    def __init__(self, config: RunConfig, batch_devices: int, tokenizer: Any) -> None:
+        from coupled_qk_jax.data import glue  # noqa: PLC0415 - only sentence tasks read GLUE
+
+        self.config, self.tokenizer, self.glue = config, tokenizer, glue
+        self.source = glue.parse_source(config.data.corpus)
+        self.task = self.source.task
+        if config.model.num_labels != self.task.num_labels:
+            raise UserError(f"model.num_labels={config.model.num_labels}, but GLUE {self.task.name} needs "
+                            f"{self.task.num_labels} (set --config.model.num_labels={self.task.num_labels})")
+        self.eval_rows = config.train.eval_batch_size or config.train.batch_size
+        if self.eval_rows % batch_devices:
+            raise UserError(f"the eval batch size {self.eval_rows} is not divisible by the {batch_devices} "
+                            f"data-parallel devices; set train.eval_batch_size")
+        self._encoded: dict[str, dict[str, np.ndarray]] = {}
+        self.train = _ExampleBatches(self.encoded("train"), config.train.batch_size)
+
+    def encoded(self, split: str) -> dict[str, np.ndarray]:
+        """``data.glue.encode`` of a split, read once."""
+        if split not in self._encoded:
+            examples = self.glue.load_examples(self.source, split)
+            self._encoded[split] = self.glue.encode(examples, self.tokenizer, self.config.data.seq_len)
+        return self._encoded[split]
+
+    def validate(self, batch_devices: int) -> None:
+        del batch_devices  # checked in __init__
+
+    def train_dataset(self, seed: int, rows: np.ndarray | None = None) -> grain.MapDataset:
+        return grain.MapDataset.range(len(self.train)).repeat().map_with_index(self.train.shuffled(seed)).map(
+            _Rows(rows))
+
+    def _outputs(self, graphdef: nnx.GraphDef, params_shardings: Any, mesh: Mesh,
+                 num_seeds: int) -> Callable[..., tuple[np.ndarray, np.ndarray, int]]:
+        """``outputs(params, split, max_batches) -> (head outputs [S, N, num_labels], summed loss [S], scored
+        examples)`` over the split's examples in stored order."""
+        def scores(params, batch):
+            out = nnx.merge(graphdef, params).classify(batch["inputs"], batch["positions"])
+            return (out, *label_loss(out, batch["labels"]))
+
+        step = _jit_eval(scores, params_shardings, mesh, num_seeds)
+        host_rows = _Rows(shd.host_batch_rows(mesh, jax.process_index(), self.eval_rows))
+
+        def outputs(params: Any, split: str, max_batches: int = 0) -> tuple[np.ndarray, np.ndarray, int]:
+            batches = _ExampleBatches(self.encoded(split), self.eval_rows)
+            outs, loss, count = [], np.zeros(num_seeds), 0
+            for b in range(len(batches)):
+                if max_batches and b == max_batches:
+                    break
+                out, loss_sum, n = jax.device_get(step(params, shd.global_batch(host_rows(batches[b]), mesh)))
+                outs.append(np.asarray(out, np.float32).reshape(num_seeds, self.eval_rows, -1))
+                loss += np.asarray(loss_sum, np.float64).reshape(num_seeds)
+                count += int(np.asarray(n).reshape(-1)[0])
+            real = min(batches.n, len(outs) * self.eval_rows)  # the padding rows of a last, short batch dropped
+            return np.concatenate(outs, axis=1)[:, :real], loss, count
+
+        return outputs
+
+    def make_evaluator(self, graphdef: nnx.GraphDef, params_shardings: Any, mesh: Mesh,
+                       num_seeds: int) -> Evaluator:
+        outputs = self._outputs(graphdef, params_shardings, mesh, num_seeds)
+
+        def evaluate(params: Any, split: str = "validation", max_batches: int = 0) -> dict[str, Any]:
+            if split != "validation":
+                raise UserError(f"GLUE's test labels are not public: evaluate the validation split, and write the "
+                                f"{self.task.name} test predictions with eval.py --split=test (GLUE's submission "
+                                "files)")
+            result: dict[str, Any] = {}
+            for i, name in enumerate(self.task.validation_splits):
+                out, loss, count = outputs(params, name, max_batches)
+                labels = self.encoded(name)["labels"][:out.shape[1]]
+                per_seed = [self.glue.score(self.task, o, labels) for o in out]
+                prefix = "valid/" if i == 0 else f"valid/{name.removeprefix('validation_')}/"
+                result.update({prefix + k: np.array([m[k] for m in per_seed]) for k in per_seed[0]})
+                result[prefix + "loss"] = loss / max(count, 1)
+                result[prefix + "examples"] = int(out.shape[1])
+            return result
+
+        return evaluate
+
+    def write_test_predictions(self, graphdef: nnx.GraphDef, params_shardings: Any, mesh: Mesh, params: Any,
+                               out_dir: str) -> list[str]:
+        """GLUE's submission file of each test split (``data.glue.write_submission``) from one model's ``params``;
+        every process computes, process 0 writes. Returns the files' paths."""
+        outputs = self._outputs(graphdef, params_shardings, mesh, 1)
+        written = []
+        for split in self.task.test_splits:
+            out, _, _ = outputs(params, split)
+            if jax.process_index() == 0:
+                index = self.encoded(split)["index"][:out.shape[1]]
+                written.append(str(self.glue.write_submission(self.task, split, index, out[0], out_dir)))
+        return written
+
+    def summary(self) -> dict[str, Any]:
+        return {"glue_task": self.task.name, "source": str(self.source), "num_train": self.train.n,
+                "steps_per_epoch": len(self.train)}
