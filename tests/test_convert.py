@@ -243,3 +243,29 @@ def test_glue_fine_tuning_from_the_import_scores_and_submits(standard, tmp_path)
     expected = np.asarray(model.classify(test["inputs"], test["positions"])).argmax(-1)
     rows = (tmp_path / "submit" / "SST-2.tsv").read_text().splitlines()
     assert rows == ["index\tprediction"] + [f"{i}\t{int(p)}" for i, p in enumerate(expected)]
+
+
+def test_glue_configs_and_their_mistakes(tmp_path):
+    from configs.glue import get_config
+    from coupled_qk_jax.data.tokenizer import ByteTokenizer
+    from coupled_qk_jax.training import tasks
+    from coupled_qk_jax.training.config import RunConfig
+
+    assert [get_config(f"standard,tiny,{t}").model.num_labels for t in ("sst2", "mnli", "stsb")] == [2, 3, 1]
+    sst2 = get_config("coupled_euler,tiny,sst2")
+    assert sst2.train.steps == 6314  # ceil(3 epochs x 67,349 examples / 32) = ceil(6313.97)
+    assert sst2.train.warmup_steps == 379 and sst2.checkpoint.keep_best == "validation_loss"
+    with pytest.raises(UserError, match="VARIANT,SCALE,TASK"):
+        get_config("standard,tiny")
+    with pytest.raises(UserError, match="did you mean"):
+        get_config("standard,tiny,sst")
+    sst2.data.corpus = "stdlib"
+    with pytest.raises(UserError, match="task='glue' reads data.corpus='glue:TASK"):
+        RunConfig.from_configdict(sst2)
+    _write_sst2(tmp_path / "SST-2")
+    sst2.data.corpus, sst2.model.num_labels = f"glue:sst2:{tmp_path / 'SST-2'}", 3
+    with pytest.raises(UserError, match=r"model.num_labels=3, but GLUE sst2 needs 2"):
+        tasks.GlueTask(RunConfig.from_configdict(sst2), 1, ByteTokenizer())
+    sst2.model.num_labels = 2
+    with pytest.raises(UserError, match="needs the model's tokenizer"):
+        tasks.sentence_tokenizer(RunConfig.from_configdict(sst2))
