@@ -261,7 +261,7 @@ def test_seed_axis_batches_and_the_sharded_jit():
     x = np.arange(3 * 8 * 4, dtype=np.int32).reshape(3, 8, 4)
     seeds = shd.global_batch({"inputs": x}, mesh, seed_axis=True)["inputs"]
     single = shd.global_batch({"inputs": x[1]}, mesh)["inputs"]
-    assert seeds.shape == (3, 8, 4) and seeds.sharding.spec == P(None, ("data", "fsdp"), None)
+    assert seeds.shape == (3, 8, 4) and seeds.sharding.spec == P(None, ("data", "fsdp"))
     np.testing.assert_array_equal(np.asarray(seeds), x)
     rows = {d: idx[1] for d, idx in seeds.sharding.devices_indices_map(seeds.shape).items()}
     assert rows == {d: idx[0] for d, idx in single.sharding.devices_indices_map(single.shape).items()}
@@ -341,7 +341,7 @@ def test_global_batch_places_every_row_on_its_devices(order):
     for seed_axis, value in ((False, x), (True, np.stack([x, 100 + x]))):
         out = shd.global_batch({"inputs": value}, mesh, seed_axis=seed_axis)["inputs"]
         assert out.shape == value.shape
-        assert out.sharding.spec == P(*((None,) if seed_axis else ()), ("data", "fsdp"), None)
+        assert out.sharding.spec == P(*((None,) if seed_axis else ()), ("data", "fsdp"))  # later axes replicated
         assert {shard.device for shard in out.addressable_shards} == set(devices)
         for shard in out.addressable_shards:
             np.testing.assert_array_equal(np.asarray(shard.data), value[shard.index])

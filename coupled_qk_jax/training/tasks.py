@@ -27,6 +27,7 @@ Tasks:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Callable
 
@@ -392,7 +393,11 @@ class GlueTask:
             raise UserError(f"the eval batch size {self.eval_rows} is not divisible by the {batch_devices} "
                             f"data-parallel devices; set train.eval_batch_size")
         self._encoded: dict[str, dict[str, np.ndarray]] = {}
-        self.train = _ExampleBatches(self.encoded("train"), config.train.batch_size)
+
+    @functools.cached_property
+    def train(self) -> _ExampleBatches:
+        """The train split's batches, encoded on first use (an evaluation never reads the train split)."""
+        return _ExampleBatches(self.encoded("train"), self.config.train.batch_size)
 
     def encoded(self, split: str) -> dict[str, np.ndarray]:
         """``data.glue.encode`` of a split, read once."""
