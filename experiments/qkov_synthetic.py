@@ -15,7 +15,7 @@ whose result file exists. Inside a job, the state is checkpointed to ``<work>/<c
 ``--ckpt-every`` epochs, so a killed job resumes from its last checkpoint. The tables are written by
 experiments/qkov_report.py.
 
-Usage:  python experiments/qkov_synthetic.py --out docs/results/qkov --cells fafo_r20 --seeds first|rest|all
+Usage:  python experiments/qkov_synthetic.py --out results/qkov --cells fafo_r20 --seeds first|rest|all
 """
 
 from __future__ import annotations
@@ -203,7 +203,7 @@ def run_cells(cells: list[str], which: str, out: str, work: str, ckpt_every: int
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="docs/results/qkov", help="result files go to OUT/runs/<cell>/")
+    ap.add_argument("--out", default="results/qkov", help="result files go to OUT/runs/<cell>/")
     ap.add_argument("--work", default="runs/qkov", help="in-job checkpoints (deleted when a job ends)")
     ap.add_argument("--cells", default="all", help="comma-separated cell names or 'all': " + ",".join(CELLS))
     ap.add_argument("--seeds", default="all", choices=("first", "rest", "all"))
