@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# MQAR to the end of learning (issue 15, item 2), the CPU protocol (configs/mqar.py), resumable; zoology's own
+# MQAR to the end of learning, the CPU protocol (configs/mqar.py), resumable; zoology's own
 # Figure-2 protocol is experiments/mqar_zoology.sh.
 #
 #   bash experiments/mqar_sweep.sh lane LEVEL VARIANT[,VARIANT...]  # lr sweep: 1 seed per (variant, lr), 64 epochs

@@ -1,4 +1,4 @@
-"""The bridge from the QK/OV learning-speed study to the coupled-QK language models (issue 6, part 6).
+"""The bridge from the QK/OV learning-speed study to the coupled-QK language models.
 
 Question: does faster QK learning (the second seed paper's intervention, ``train.qk_lr_mult``) sharpen attention in
 the coupled model too, and at what cost in validation perplexity?

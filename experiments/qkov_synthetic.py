@@ -50,7 +50,7 @@ CELLS = {
     "faco_r1": ("faco,1", {"seeds": ROW1_SEEDS}),
     "cafo_r1": ("cafo,1", {}),
     "caco_r1": ("caco,1", {}),
-    # row 1's CACO at twice its budget (5000 x 200 steps): at 2500 epochs it had not concentrated (issue 28.4)
+    # row 1's CACO at twice its budget (5000 x 200 steps): at 2500 epochs it had not concentrated
     "caco_r1_x2": ("caco,1", {"n_epochs": 5000}),
     "fafo_eye_r1": ("fafo,20", {"qk_ratio": 1.0}),
     "fafo_r20": ("fafo,20", {}),
