@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from configs import lm
+from coupled_qk_jax.configs import lm
 from coupled_qk_jax.attention import CausalSelfAttention, lambda_init
 from coupled_qk_jax.config import ALL_VARIANTS, DYNAMICS_METHOD, ModelConfig
 from coupled_qk_jax.model import TransformerLM, abstract_param_count, count_params

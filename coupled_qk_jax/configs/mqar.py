@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import ml_collections
 
-from configs import lm
+from coupled_qk_jax.configs import lm
 from coupled_qk_jax.config import ModelConfig
 from coupled_qk_jax.data import mqar
 from coupled_qk_jax.training.config import MQARConfig, configdict

@@ -19,7 +19,7 @@ import math
 
 import ml_collections
 
-from configs import lm
+from coupled_qk_jax.configs import lm
 from coupled_qk_jax.data.glue import get_task
 from coupled_qk_jax.errors import UserError
 
