@@ -177,7 +177,7 @@ def test_validation_and_test_splits_are_different_segments(trained):
 def test_eval_prints_mqar_metrics_without_the_validation_prefix(trained, capsys):
     """eval.py's report of a test evaluation names the split once and its metrics plainly: zoology's "valid/" keys
     (kept in the JSON) do not make a test score read as a validation one."""
-    import eval as eval_cli
+    from coupled_qk_jax.cli import eval as eval_cli
 
     cfg, workdir, _, _ = trained
     from coupled_qk_jax.training.run import Run

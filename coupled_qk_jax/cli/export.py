@@ -1,5 +1,5 @@
-"""Export a run's checkpoint to a portable folder: `python export.py --workdir=RUN --out=DIR [--step=N] [--replica=K]
-[--mesh=data:D,fsdp:F,tensor:T]`.
+"""Export a run's checkpoint to a portable folder: `coupled-qk-export --workdir=RUN --out=DIR [--step=N]
+[--replica=K] [--mesh=data:D,fsdp:F,tensor:T]` (in a checkout also `python export.py ...`).
 
 The newest intact checkpoint (or --step), replica 0 (or --replica: one seed of a seed-parallel run), restored on one
 device (or --mesh) whatever machine trained it. Writes DIR/model.safetensors (float32 weights named by dotted paths,
@@ -14,16 +14,32 @@ from __future__ import annotations
 
 from absl import app, flags, logging
 
-flags.DEFINE_string("workdir", None, "Run directory written by train.py.")
-flags.DEFINE_string("out", None, "Export folder to write (new, empty, or an earlier export, which is replaced).")
-flags.DEFINE_integer("step", None, "Checkpoint step to export (default: the newest intact one).")
-flags.DEFINE_integer("replica", 0, "Which seed replica of a seed-parallel run (train.num_seeds > 1).")
-flags.DEFINE_string("mesh", "", "Devices to restore the run onto, e.g. data:2 (default: one device).")
-flags.mark_flags_as_required(["workdir", "out"])
+from coupled_qk_jax.training import cli
+
 FLAGS = flags.FLAGS
 
 
-def main(argv: list[str]) -> None:
+def define_flags() -> None:
+    """The command's flags, defined when it runs (importing this module adds nothing to absl's flags)."""
+    flags.DEFINE_string("workdir", None, "Run directory written by train.py.")
+    flags.DEFINE_string("out", None, "Export folder to write (new, empty, or an earlier export, which is replaced).")
+    flags.DEFINE_integer("step", None, "Checkpoint step to export (default: the newest intact one).")
+    flags.DEFINE_integer("replica", 0, "Which seed replica of a seed-parallel run (train.num_seeds > 1).")
+    flags.DEFINE_string("mesh", "", "Devices to restore the run onto, e.g. data:2 (default: one device).")
+    flags.mark_flags_as_required(["workdir", "out"])
+
+
+def main() -> None:
+    """The `coupled-qk-export` console script and `python export.py`."""
+    from coupled_qk_jax.startup import configure_process
+
+    configure_process()  # the CPU malloc settings, before JAX starts (coupled_qk_jax/startup.py)
+    define_flags()
+    cli.run_command(export_command, __name__, __doc__)
+
+
+def export_command(argv: list[str]) -> None:
+    """absl's main: ``argv`` is what flag parsing left."""
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
@@ -32,8 +48,6 @@ def main(argv: list[str]) -> None:
     from coupled_qk_jax.distributed import initialize_distributed
 
     initialize_distributed()
-    from coupled_qk_jax.training import cli
-
     cli.exit_process(cli.run_guarded(_export))
 
 
@@ -48,7 +62,4 @@ def _export() -> None:
 
 
 if __name__ == "__main__":
-    from coupled_qk_jax.startup import configure_process
-
-    configure_process()  # the CPU malloc settings, before JAX starts (coupled_qk_jax/startup.py)
-    app.run(main)
+    main()

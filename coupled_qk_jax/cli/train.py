@@ -1,10 +1,13 @@
-"""Train a language model: `python train.py --config=configs/lm.py:VARIANT,SCALE --workdir=DIR [--config.x=y ...]`.
+"""Train a language model: `coupled-qk-train --config=configs/lm.py:VARIANT,SCALE --workdir=DIR [--config.x=y ...]`
+(in a checkout also `python train.py ...`).
 
 Resumes from the newest intact checkpoint in DIR by itself, after checking that the config, data and tokenizer are
 the run's own (a field that may change on resume must be named, e.g. --allow_change=train.steps). Writes
 DIR/config.json, DIR/data.json, DIR/tokenizer.json, DIR/checkpoints/, DIR/metrics.jsonl, DIR/history.jsonl,
 DIR/tb/ and DIR/summary.json. SIGINT (Ctrl-C) and SIGTERM finish the step, save and exit 130 / 143.
-`--print_config` prints every config field with its resolved value and exits. See docs/training.md.
+`--print_config` prints every config field with its resolved value and exits. A `--config=configs/NAME.py` that
+does not exist where the command runs is the packaged preset of that name (coupled_qk_jax/configs/; see
+coupled_qk_jax/training/cli.py). See docs/training.md.
 """
 
 from __future__ import annotations
@@ -15,31 +18,41 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from coupled_qk_jax.config import ALL_VARIANTS
+from coupled_qk_jax.configs.lm import SCALES
 from coupled_qk_jax.training import cli
-
-try:  # the scales of configs/lm.py, for --help (train.py runs from the repository root)
-    from configs.lm import SCALES as _SCALES
-except ImportError:  # pragma: no cover - run from elsewhere
-    _SCALES = {}
 
 __doc__ += f"""
 VARIANT: {', '.join(ALL_VARIANTS)}
-SCALE:   {', '.join(_SCALES)}
+SCALE:   {', '.join(SCALES)}
 """
 
-config_flags.DEFINE_config_file("config", None, "Config file and argument, e.g. configs/lm.py:coupled_euler,tiny.",
-                                lock_config=True)
-flags.DEFINE_string("workdir", None, "Run directory: config, data fingerprint, tokenizer, checkpoints, logs. "
-                    "Reused to resume.")
-flags.DEFINE_bool("print_config", False, "Print the resolved config (every field, defaults included) as JSON "
-                  "and exit.")
-flags.DEFINE_list("allow_change", [], "Config fields allowed to differ from the run's on resume, e.g. "
-                  "train.steps,train.eval_every (each recorded in DIR/history.jsonl).")
-flags.mark_flags_as_required(["config"])
 FLAGS = flags.FLAGS
 
 
-def main(argv: list[str]) -> None:
+def define_flags() -> None:
+    """The command's flags, defined when it runs (importing this module adds nothing to absl's flags)."""
+    config_flags.DEFINE_config_file("config", None, "Config file and argument, e.g. "
+                                    "configs/lm.py:coupled_euler,tiny.", lock_config=True)
+    flags.DEFINE_string("workdir", None, "Run directory: config, data fingerprint, tokenizer, checkpoints, logs. "
+                        "Reused to resume.")
+    flags.DEFINE_bool("print_config", False, "Print the resolved config (every field, defaults included) as JSON "
+                      "and exit.")
+    flags.DEFINE_list("allow_change", [], "Config fields allowed to differ from the run's on resume, e.g. "
+                      "train.steps,train.eval_every (each recorded in DIR/history.jsonl).")
+    flags.mark_flags_as_required(["config"])
+
+
+def main() -> None:
+    """The `coupled-qk-train` console script and `python train.py`."""
+    from coupled_qk_jax.startup import configure_process
+
+    configure_process()  # the CPU malloc settings, before JAX starts (coupled_qk_jax/startup.py)
+    define_flags()
+    cli.run_command(train_command, __name__, __doc__, flags_parser=cli.parse_flags)
+
+
+def train_command(argv: list[str]) -> None:
+    """absl's main: ``argv`` is what flag parsing left."""
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     if FLAGS.print_config:
@@ -74,7 +87,4 @@ def _train(loop) -> dict:
 
 
 if __name__ == "__main__":
-    from coupled_qk_jax.startup import configure_process
-
-    configure_process()  # the CPU malloc settings, before JAX starts (coupled_qk_jax/startup.py)
-    app.run(main, flags_parser=cli.parse_flags)
+    main()

@@ -1,5 +1,5 @@
-"""Sample text from a trained run: `python sample.py --workdir=DIR [--prompt=TEXT ...] [--ids=1,2,3 ...]`, or from
-an export folder: `python sample.py --exported=DIR ...`.
+"""Sample text from a trained run: `coupled-qk-sample --workdir=DIR [--prompt=TEXT ...] [--ids=1,2,3 ...]`, or from
+an export folder: `coupled-qk-sample --exported=DIR ...` (in a checkout also `python sample.py ...`).
 
 The model, its config and its tokenizer all come from the run directory (the newest intact checkpoint, or --step),
 restored onto one device (or --mesh=data:D,fsdp:F,tensor:T, where it is also generated on: parameters in the
@@ -16,26 +16,42 @@ from __future__ import annotations
 
 from absl import app, flags, logging
 
-flags.DEFINE_string("workdir", None, "Run directory written by train.py.")
-flags.DEFINE_string("exported", None, "An export folder (export.py) to sample from instead of a run directory.")
-flags.DEFINE_integer("step", None, "Checkpoint step of the run (default: the newest intact one).")
-flags.DEFINE_string("mesh", "", "Devices to restore the run onto and generate on, e.g. data:2,tensor:2 "
-                    "(default: one device).")
-flags.DEFINE_multi_string("prompt", [], "A text prompt (repeat the flag for a batch).")
-flags.DEFINE_multi_string("ids", [], "A prompt as comma-separated token ids, used as given (repeatable).")
-flags.DEFINE_integer("max_new_tokens", 200, "Tokens to generate per prompt.")
-flags.DEFINE_float("temperature", 0.8, "Softmax temperature; 0 = greedy decoding.")
-flags.DEFINE_integer("top_k", 200, "Sample among the k most likely tokens (0 = all).")
-flags.DEFINE_float("top_p", 1.0, "Nucleus sampling: the smallest set of tokens holding this probability (1 = off).")
-flags.DEFINE_integer("seed", 0, "Sampling seed: the same seed, prompts and flags give the same text.")
-flags.DEFINE_integer("num_samples", 1, "Samples per prompt (each prompt is repeated in the batch).")
-flags.DEFINE_integer("replica", 0, "Which seed's model of a seed-parallel run (train.num_seeds > 1).")
-flags.DEFINE_bool("stop_at_eot", True, "End a sample at its first <|endoftext|>.")
-flags.mark_flags_as_mutual_exclusive(["workdir", "exported"], required=True)
+from coupled_qk_jax.training import cli
+
 FLAGS = flags.FLAGS
 
 
-def main(argv: list[str]) -> None:
+def define_flags() -> None:
+    """The command's flags, defined when it runs (importing this module adds nothing to absl's flags)."""
+    flags.DEFINE_string("workdir", None, "Run directory written by train.py.")
+    flags.DEFINE_string("exported", None, "An export folder (export.py) to sample from instead of a run directory.")
+    flags.DEFINE_integer("step", None, "Checkpoint step of the run (default: the newest intact one).")
+    flags.DEFINE_string("mesh", "", "Devices to restore the run onto and generate on, e.g. data:2,tensor:2 "
+                        "(default: one device).")
+    flags.DEFINE_multi_string("prompt", [], "A text prompt (repeat the flag for a batch).")
+    flags.DEFINE_multi_string("ids", [], "A prompt as comma-separated token ids, used as given (repeatable).")
+    flags.DEFINE_integer("max_new_tokens", 200, "Tokens to generate per prompt.")
+    flags.DEFINE_float("temperature", 0.8, "Softmax temperature; 0 = greedy decoding.")
+    flags.DEFINE_integer("top_k", 200, "Sample among the k most likely tokens (0 = all).")
+    flags.DEFINE_float("top_p", 1.0, "Nucleus sampling: the smallest set of tokens holding this probability (1 = off).")
+    flags.DEFINE_integer("seed", 0, "Sampling seed: the same seed, prompts and flags give the same text.")
+    flags.DEFINE_integer("num_samples", 1, "Samples per prompt (each prompt is repeated in the batch).")
+    flags.DEFINE_integer("replica", 0, "Which seed's model of a seed-parallel run (train.num_seeds > 1).")
+    flags.DEFINE_bool("stop_at_eot", True, "End a sample at its first <|endoftext|>.")
+    flags.mark_flags_as_mutual_exclusive(["workdir", "exported"], required=True)
+
+
+def main() -> None:
+    """The `coupled-qk-sample` console script and `python sample.py`."""
+    from coupled_qk_jax.startup import configure_process
+
+    configure_process()  # the CPU malloc settings, before JAX starts (coupled_qk_jax/startup.py)
+    define_flags()
+    cli.run_command(sample_command, __name__, __doc__)
+
+
+def sample_command(argv: list[str]) -> None:
+    """absl's main: ``argv`` is what flag parsing left."""
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
@@ -44,8 +60,6 @@ def main(argv: list[str]) -> None:
     from coupled_qk_jax.distributed import initialize_distributed
 
     initialize_distributed()
-    from coupled_qk_jax.training import cli
-
     cli.exit_process(cli.run_guarded(_sample))
 
 
@@ -98,7 +112,4 @@ def _sample() -> None:
 
 
 if __name__ == "__main__":
-    from coupled_qk_jax.startup import configure_process
-
-    configure_process()  # the CPU malloc settings, before JAX starts (coupled_qk_jax/startup.py)
-    app.run(main)
+    main()

@@ -1,6 +1,6 @@
 """Evaluate a run's checkpoint on a whole held-out split:
-`python eval.py --workdir=DIR [--split=validation|test] [--step=N] [--replica=K|all] [--mesh=data:D,fsdp:F,tensor:T]
-[--out=OUT] [--diagnostics]`.
+`coupled-qk-eval --workdir=DIR [--split=validation|test] [--step=N] [--replica=K|all] [--mesh=data:D,fsdp:F,tensor:T]
+[--out=OUT] [--diagnostics]` (in a checkout also `python eval.py ...`).
 
 Needs nothing but the run directory: the config (DIR/config.json), the tokenizer and the held-out token ids are the
 run's own, so a run directory moved or copied elsewhere, to any machine, evaluates as it is (training/run.py): one
@@ -25,21 +25,35 @@ from ml_collections import config_flags
 
 from coupled_qk_jax.training import cli
 
-config_flags.DEFINE_config_file("config", None, "Optional: a config that must agree with the run's own "
-                                "(DIR/config.json is used either way).", lock_config=True)
-flags.DEFINE_string("workdir", None, "Run directory written by train.py.")
-flags.DEFINE_enum("split", "validation", ["validation", "test"], "Split to evaluate.")
-flags.DEFINE_string("out", None, "Where to write the results (default: WORKDIR/eval).")
-flags.DEFINE_integer("step", None, "Checkpoint step to evaluate (default: the newest intact one).")
-flags.DEFINE_string("replica", "all", "Which seed replica of a seed-parallel run: K (0-based) or all.")
-flags.DEFINE_string("mesh", "", "Devices to evaluate on, e.g. data:2,fsdp:1,tensor:1 (default: one device).")
-flags.DEFINE_bool("diagnostics", False, "Also write attention diagnostics of the checkpoint on the split's first "
-                  "windows to OUT/diagnostics_<split>_step<step>.{json,png} (coupled_qk_jax.diagnostics_report).")
-flags.mark_flags_as_required(["workdir"])
 FLAGS = flags.FLAGS
 
 
-def main(argv: list[str]) -> None:
+def define_flags() -> None:
+    """The command's flags, defined when it runs (importing this module adds nothing to absl's flags)."""
+    config_flags.DEFINE_config_file("config", None, "Optional: a config that must agree with the run's own "
+                                    "(DIR/config.json is used either way).", lock_config=True)
+    flags.DEFINE_string("workdir", None, "Run directory written by train.py.")
+    flags.DEFINE_enum("split", "validation", ["validation", "test"], "Split to evaluate.")
+    flags.DEFINE_string("out", None, "Where to write the results (default: WORKDIR/eval).")
+    flags.DEFINE_integer("step", None, "Checkpoint step to evaluate (default: the newest intact one).")
+    flags.DEFINE_string("replica", "all", "Which seed replica of a seed-parallel run: K (0-based) or all.")
+    flags.DEFINE_string("mesh", "", "Devices to evaluate on, e.g. data:2,fsdp:1,tensor:1 (default: one device).")
+    flags.DEFINE_bool("diagnostics", False, "Also write attention diagnostics of the checkpoint on the split's first "
+                      "windows to OUT/diagnostics_<split>_step<step>.{json,png} (coupled_qk_jax.diagnostics_report).")
+    flags.mark_flags_as_required(["workdir"])
+
+
+def main() -> None:
+    """The `coupled-qk-eval` console script and `python eval.py`."""
+    from coupled_qk_jax.startup import configure_process
+
+    configure_process()  # the CPU malloc settings, before JAX starts (coupled_qk_jax/startup.py)
+    define_flags()
+    cli.run_command(eval_command, __name__, __doc__, flags_parser=cli.parse_flags)
+
+
+def eval_command(argv: list[str]) -> None:
+    """absl's main: ``argv`` is what flag parsing left."""
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
@@ -114,7 +128,4 @@ def print_result(result: dict, split: str) -> None:
 
 
 if __name__ == "__main__":
-    from coupled_qk_jax.startup import configure_process
-
-    configure_process()  # the CPU malloc settings, before JAX starts (coupled_qk_jax/startup.py)
-    app.run(main, flags_parser=cli.parse_flags)
+    main()
