@@ -15,8 +15,8 @@ from absl import flags
 from flax import nnx
 from ml_collections import config_flags
 
-from coupled_qk_jax.configs import mqar as mqar_cfg
 from coupled_qk_jax.config import ALL_VARIANTS, ModelConfig
+from coupled_qk_jax.configs import mqar as mqar_cfg
 from coupled_qk_jax.data import mqar
 from coupled_qk_jax.training import loop, tasks
 from coupled_qk_jax.training.config import RunConfig
