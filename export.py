@@ -1,54 +1,6 @@
-"""Export a run's checkpoint to a portable folder: `python export.py --workdir=RUN --out=DIR [--step=N] [--replica=K]
-[--mesh=data:D,fsdp:F,tensor:T]`.
+"""Export a run's checkpoint (coupled_qk_jax/cli/export.py; installed as coupled-qk-export): python export.py --help."""
 
-The newest intact checkpoint (or --step), replica 0 (or --replica: one seed of a seed-parallel run), restored on one
-device (or --mesh) whatever machine trained it. Writes DIR/model.safetensors (float32 weights named by dotted paths,
-always per layer: blocks.0.attn.wq, with or without model.scan_layers), DIR/config.json (the run's config),
-DIR/tokenizer.json (BPE runs) and DIR/export.json (checksums). Load it with
-`coupled_qk_jax.export.load_exported(DIR)`. Launched on several processes (as a multi-host train.py) it joins them
-and --mesh spans every process's devices (default: all of them on the data axis); each process gathers the weights,
-process 0 writes the folder. See coupled_qk_jax/export.py.
-"""
-
-from __future__ import annotations
-
-from absl import app, flags, logging
-
-flags.DEFINE_string("workdir", None, "Run directory written by train.py.")
-flags.DEFINE_string("out", None, "Export folder to write (new, empty, or an earlier export, which is replaced).")
-flags.DEFINE_integer("step", None, "Checkpoint step to export (default: the newest intact one).")
-flags.DEFINE_integer("replica", 0, "Which seed replica of a seed-parallel run (train.num_seeds > 1).")
-flags.DEFINE_string("mesh", "", "Devices to restore the run onto, e.g. data:2 (default: one device).")
-flags.mark_flags_as_required(["workdir", "out"])
-FLAGS = flags.FLAGS
-
-
-def main(argv: list[str]) -> None:
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-    logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
-    # Launched on several processes (as a multi-host train.py is), join them before anything touches a device: the
-    # --mesh then spans every process's devices. A no-op on one process.
-    from coupled_qk_jax.distributed import initialize_distributed
-
-    initialize_distributed()
-    from coupled_qk_jax.training import cli
-
-    cli.exit_process(cli.run_guarded(_export))
-
-
-def _export() -> None:
-    import jax
-
-    from coupled_qk_jax.export import export_run
-
-    out = export_run(FLAGS.workdir, FLAGS.out, step=FLAGS.step, replica=FLAGS.replica, mesh=FLAGS.mesh or None)
-    if jax.process_index() == 0:  # the process that wrote the folder
-        print(f"exported {FLAGS.workdir} -> {out}", flush=True)
-
+from coupled_qk_jax.cli.export import main
 
 if __name__ == "__main__":
-    from coupled_qk_jax.startup import configure_process
-
-    configure_process()  # the CPU malloc settings, before JAX starts (coupled_qk_jax/startup.py)
-    app.run(main)
+    main()

@@ -166,7 +166,7 @@ def part_pallas(small: bool) -> dict:
 
 def part_step(scale: str, variant: str, small: bool) -> dict:
     from benchmarks.memory_model import flops_per_token  # noqa: PLC0415
-    from configs import lm  # noqa: PLC0415  (ml_collections: from the carried wheels)
+    from coupled_qk_jax.configs import lm  # noqa: PLC0415  (ml_collections: from the carried wheels)
     from coupled_qk_jax.training import optimizer  # noqa: PLC0415
 
     base = lm.get_config(f"{variant},{scale}")

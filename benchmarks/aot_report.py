@@ -25,8 +25,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 def config(variant: str, scale: str, chips: int):
     """configs/lm.py's config for VARIANT,SCALE on a pure FSDP mesh of `chips`, one sequence per chip."""
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-    from configs import lm  # noqa: PLC0415
+    from coupled_qk_jax.configs import lm  # noqa: PLC0415
 
     cfg = lm.get_config(f"{variant},{scale}")
     cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor = 1, chips, 1

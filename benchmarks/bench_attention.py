@@ -41,21 +41,17 @@ import sys
 import time
 from typing import Any, Callable
 
-# Runnable from a checkout without installing the package: the repository root goes first on the path.
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-from configs import lm  # noqa: E402
-from coupled_qk_jax.config import ModelConfig  # noqa: E402
-from coupled_qk_jax.model import TransformerLM, count_params  # noqa: E402
+from coupled_qk_jax.config import ModelConfig
+from coupled_qk_jax.configs import lm
+from coupled_qk_jax.model import TransformerLM, count_params
+from coupled_qk_jax.training.config import TrainConfig
 from coupled_qk_jax.training.observe import model_flops_per_step  # noqa: E402  (the training loop's MFU too)
-from coupled_qk_jax.training.config import TrainConfig  # noqa: E402
-from coupled_qk_jax.training.optimizer import make_optimizer  # noqa: E402
-from coupled_qk_jax.training.steps import init_train_state, make_train_step, split_model  # noqa: E402
-
+from coupled_qk_jax.training.optimizer import make_optimizer
+from coupled_qk_jax.training.steps import init_train_state, make_train_step, split_model
 
 # ---------------------------------------------------------------------------------------------------------- helpers
 # name: (d_model, batch); every peer shape has 4 layers, 4 heads, T 256, vocab 8192, LayerNorm, MLP 4·d, f 4·d_head.

@@ -11,15 +11,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import tempfile
 import time
 
 import numpy as np
-
-# Runnable from a checkout without installing the package: put the repository root (this file's parent's parent)
-# first on the path.
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from coupled_qk_jax.data.corpora import CorpusSpec, ReadStats, iter_documents
 from coupled_qk_jax.data.pipeline import eval_batches, make_train_iterator

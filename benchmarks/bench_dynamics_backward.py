@@ -20,22 +20,19 @@ from __future__ import annotations
 
 import argparse
 import functools
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-from configs import lm  # noqa: E402
-from coupled_qk_jax import dynamics  # noqa: E402
-from coupled_qk_jax.config import ModelConfig  # noqa: E402
-from coupled_qk_jax.model import TransformerLM  # noqa: E402
-from coupled_qk_jax.training.config import TrainConfig  # noqa: E402
-from coupled_qk_jax.training.optimizer import make_optimizer  # noqa: E402
-from coupled_qk_jax.training.steps import init_train_state, make_train_step, split_model  # noqa: E402
+from coupled_qk_jax import dynamics
+from coupled_qk_jax.config import ModelConfig
+from coupled_qk_jax.configs import lm
+from coupled_qk_jax.model import TransformerLM
+from coupled_qk_jax.training.config import TrainConfig
+from coupled_qk_jax.training.optimizer import make_optimizer
+from coupled_qk_jax.training.steps import init_train_state, make_train_step, split_model
 
 
 def compiled_step(cfg: ModelConfig, train_cfg: TrainConfig, batch: int, seq: int):

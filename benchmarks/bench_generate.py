@@ -20,15 +20,13 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax
+import jax.numpy as jnp
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-
-from configs.lm import get_config  # noqa: E402
-from coupled_qk_jax.generate import Generator, Sampling, init_cache  # noqa: E402
-from coupled_qk_jax.model import TransformerLM, count_params  # noqa: E402
-from coupled_qk_jax.training.loop import model_config  # noqa: E402
+from coupled_qk_jax.configs.lm import get_config
+from coupled_qk_jax.generate import Generator, Sampling, init_cache
+from coupled_qk_jax.model import TransformerLM, count_params
+from coupled_qk_jax.training.loop import model_config
 
 SAMPLING = Sampling(temperature=1.0, top_k=50)
 

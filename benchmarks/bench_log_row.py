@@ -15,20 +15,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 import time
 import types
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from configs import lm  # noqa: E402
-from coupled_qk_jax.training import loop  # noqa: E402
-from coupled_qk_jax.training.config import RunConfig  # noqa: E402
-from coupled_qk_jax.training.loop_parts import LossWindow, ThroughputMeter  # noqa: E402
-from coupled_qk_jax.training.writers import MetricsWriter  # noqa: E402
+from coupled_qk_jax.configs import lm
+from coupled_qk_jax.training import loop
+from coupled_qk_jax.training.config import RunConfig
+from coupled_qk_jax.training.loop_parts import LossWindow, ThroughputMeter
+from coupled_qk_jax.training.writers import MetricsWriter
 
 
 def main() -> None:

@@ -22,13 +22,10 @@ import sys
 import tempfile
 import time
 
-# Runnable from a checkout without installing the package: the repository root first on the path.
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from coupled_qk_jax.data.corpora import SPLITS, CorpusSpec, iter_documents  # noqa: E402
-from coupled_qk_jax.data.prepare import DEFAULT_CHUNK_BYTES, prepare  # noqa: E402
-from coupled_qk_jax.data.tokenizer import BPETokenizer  # noqa: E402
-from coupled_qk_jax.reporting import code_commit  # noqa: E402
+from coupled_qk_jax.data.corpora import SPLITS, CorpusSpec, iter_documents
+from coupled_qk_jax.data.prepare import DEFAULT_CHUNK_BYTES, prepare
+from coupled_qk_jax.data.tokenizer import BPETokenizer
+from coupled_qk_jax.reporting import code_commit
 
 
 def floor(tokenizer_path: str, spec: CorpusSpec, chunk_bytes: int) -> dict[str, float]:

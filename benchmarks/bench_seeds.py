@@ -38,11 +38,9 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 
 def bench_config(args: argparse.Namespace, num_seeds: int, seed: int):
-    from configs.lm import get_config
+    from coupled_qk_jax.configs.lm import get_config
 
     cfg = get_config(f"{args.variant},{args.scale}")
     cfg.data.update(corpus=args.corpus, tokenizer=args.tokenizer, cache_dir=os.path.expanduser(args.cache_dir))

@@ -21,8 +21,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 
 from benchmarks.bench_data import bench_iterator  # noqa: E402
-from configs.lm import get_config  # noqa: E402
 from coupled_qk_jax import sharding as shd  # noqa: E402
+from coupled_qk_jax.configs.lm import get_config  # noqa: E402
 from coupled_qk_jax.data.pipeline import make_train_iterator  # noqa: E402
 from coupled_qk_jax.training import loop  # noqa: E402
 from coupled_qk_jax.training.config import RunConfig  # noqa: E402

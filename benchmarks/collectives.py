@@ -19,7 +19,6 @@ import dataclasses
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
@@ -27,9 +26,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from configs import lm  # noqa: E402
 from coupled_qk_jax import sharding as shd  # noqa: E402
 from coupled_qk_jax.config import ModelConfig  # noqa: E402
+from coupled_qk_jax.configs import lm  # noqa: E402
 from coupled_qk_jax.model import TransformerLM  # noqa: E402
 from coupled_qk_jax.training import steps  # noqa: E402
 

@@ -21,16 +21,15 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from configs import lm  # noqa: E402
 from coupled_qk_jax import sharding as shd  # noqa: E402
 from coupled_qk_jax.config import ModelConfig  # noqa: E402
+from coupled_qk_jax.configs import lm  # noqa: E402
 from coupled_qk_jax.model import TransformerLM  # noqa: E402
 from coupled_qk_jax.training import optimizer, steps  # noqa: E402
 from coupled_qk_jax.training.config import TrainConfig  # noqa: E402

@@ -21,9 +21,7 @@ import argparse
 import dataclasses
 import json
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
@@ -34,8 +32,8 @@ from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from configs.lm import get_config  # noqa: E402
 from coupled_qk_jax import sharding as shd  # noqa: E402
+from coupled_qk_jax.configs.lm import get_config  # noqa: E402
 from coupled_qk_jax.generate import Generator, Sampling, cache_sharding  # noqa: E402
 from coupled_qk_jax.model import TransformerLM, count_params  # noqa: E402
 from coupled_qk_jax.training.loop import model_config  # noqa: E402

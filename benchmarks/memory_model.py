@@ -57,8 +57,6 @@ import os
 import sys
 import types
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "--xla" in sys.argv:  # before jax starts: the fake CPU devices of the compiled check
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
@@ -67,9 +65,9 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from configs import lm  # noqa: E402
 from coupled_qk_jax import sharding as shd  # noqa: E402
 from coupled_qk_jax.config import DYNAMICS_METHOD, ModelConfig  # noqa: E402
+from coupled_qk_jax.configs import lm  # noqa: E402
 from coupled_qk_jax.kernels import auto_chunks  # noqa: E402
 from coupled_qk_jax.model import TransformerLM, abstract_param_count  # noqa: E402
 from coupled_qk_jax.training.config import TrainConfig  # noqa: E402

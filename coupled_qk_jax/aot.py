@@ -11,14 +11,14 @@ and prints, per chip: memory (arguments, temporaries, total) against the chip's 
 (XLA's count beside the model's analytic count: XLA counts a `while` body once, so scanned layers read low), the
 collectives, the attention kernels and how many of them sit inside a manual (shard_map) region, and the compiler's
 own step-time estimate where it gives one. A config that does not fit is one line naming the overshoot and the
-levers. Any config override works as in train.py.
+levers. Any config override works as in train.py. Installed, the same command is `coupled-qk-aot` (its command
+line: coupled_qk_jax/cli/aot.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import json
 import time
 from typing import Any
 
@@ -252,54 +252,7 @@ def format_report(result: dict[str, Any], topology: str) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str]) -> None:
-    from absl import flags  # noqa: PLC0415
-
-    from coupled_qk_jax.training import cli  # noqa: PLC0415
-    from coupled_qk_jax.training import run as run_lib  # noqa: PLC0415
-
-    flags_ = flags.FLAGS
-    if len(argv) > 1:
-        cli.fail(f"unexpected arguments: {' '.join(argv[1:])}")
-    cfg = flags_.config
-    if flags_.mesh:
-        sizes = run_lib.parse_mesh(flags_.mesh)
-        with cfg.unlocked():
-            for axis, size in sizes.items():
-                cfg.mesh[axis] = size
-    devices = topology_devices(flags_.topology, flags_.num_slices)
-    result = compile_steps(cfg, devices, tuple(flags_.steps))
-    print(format_report(result, flags_.topology), flush=True)
-    if flags_.json:
-        rows = [{**dataclasses.asdict(r), "total_bytes": r.total_bytes} for r in result["steps"]]
-        with open(flags_.json, "w") as f:
-            json.dump({"topology": flags_.topology, **{k: v for k, v in result.items() if k != "steps"},
-                       "steps": rows}, f, indent=1)
-    for r in result["steps"]:
-        if message := fit_error(r, hbm_bytes(flags_.topology), flags_.topology.partition(":")[0]):
-            raise UserError(message)
-
-
-def _define_flags() -> None:
-    from absl import flags  # noqa: PLC0415
-    from ml_collections import config_flags  # noqa: PLC0415
-
-    config_flags.DEFINE_config_file("config", None, "Config file and argument, e.g. configs/lm.py:coupled_euler,350m.",
-                                    lock_config=True)
-    flags.DEFINE_string("topology", None, "TPU topology CHIP:SHAPE, e.g. v5e:16x16 (v5e-256), v4:4x4x4 (v4-128), "
-                        "v5p:4x4x4 (v5p-128).")
-    flags.DEFINE_string("mesh", "", "Mesh sizes, e.g. fsdp:256 or data:16,fsdp:16 (axes not named are 1; one may "
-                        "be -1); default: the config's mesh block.")
-    flags.DEFINE_integer("num_slices", 1, "Slices of the topology (a multi-slice run).")
-    flags.DEFINE_list("steps", ["train", "eval", "decode"], "Which steps to compile.")
-    flags.DEFINE_string("json", "", "Also write the report as JSON here.")
-    flags.mark_flags_as_required(["config", "topology"])
-
-
 if __name__ == "__main__":
-    from absl import app  # noqa: E402
+    from coupled_qk_jax.cli.aot import main
 
-    from coupled_qk_jax.training import cli  # noqa: E402
-
-    _define_flags()
-    app.run(lambda argv: cli.exit_process(cli.run_guarded(lambda: main(argv))), flags_parser=cli.parse_flags)
+    main()

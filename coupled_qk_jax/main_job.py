@@ -27,7 +27,7 @@ from coupled_qk_jax import paths
 
 def build_config(variant: str, steps: int, cache_dir: str | None, corpus: str = "stdlib",
                  split_fractions: str = "", vocab_size: int = 0):
-    from configs.lm import get_config
+    from coupled_qk_jax.configs.lm import get_config
 
     cfg = get_config(f"{variant},tiny")
     cfg.data.corpus = corpus
@@ -80,8 +80,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vocab_size", type=int, default=0, help="BPE / model vocabulary (default: the tiny scale's "
                     "2048); a small corpus may need fewer")
     args = ap.parse_args(argv)
-    # The repository root on the path, so that `configs/` imports when run as `python -m coupled_qk_jax.main_job`.
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from absl import logging as absl_logging
 
     absl_logging.set_verbosity(absl_logging.WARNING)  # orbax logs every save at INFO

@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from configs import lm
 from coupled_qk_jax.config import ALL_VARIANTS, ModelConfig
+from coupled_qk_jax.configs import lm
 from coupled_qk_jax.model import TransformerLM, count_params
 
 

@@ -35,15 +35,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from coupled_qk_jax.configs.qkov import get_config, to_train_config
+from coupled_qk_jax.qkov import data as qdata
+from coupled_qk_jax.qkov import model as qmodel
+from coupled_qk_jax.qkov import train as qtrain
 
-from configs.qkov import get_config, to_train_config  # noqa: E402
-from coupled_qk_jax.qkov import data as qdata  # noqa: E402
-from coupled_qk_jax.qkov import model as qmodel  # noqa: E402
-from coupled_qk_jax.qkov import train as qtrain  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import qkov_synthetic as synth  # noqa: E402
+# A sibling experiment: `experiments.` when imported as a package module (python -m experiments.X, the tests), by its
+# bare name when run as a script (python experiments/X.py puts this folder first on the path).
+if __package__:
+    from experiments import qkov_synthetic as synth
+else:
+    import qkov_synthetic as synth
 
 DA = 0.005
 OV_TYPES = {"factorised": "fafo,fixed", "collapsed": "caco,fixed"}

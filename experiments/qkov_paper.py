@@ -24,11 +24,14 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import qkov_fixed_attention as fixed  # noqa: E402
-import qkov_synthetic as synth  # noqa: E402
+# A sibling experiment: `experiments.` when imported as a package module (python -m experiments.X, the tests), by its
+# bare name when run as a script (python experiments/X.py puts this folder first on the path).
+if __package__:
+    from experiments import qkov_fixed_attention as fixed
+    from experiments import qkov_synthetic as synth
+else:
+    import qkov_fixed_attention as fixed
+    import qkov_synthetic as synth
 
 CONSTANT = ["fafo_r20", "fafo_eye_r1", "fafo_r1", "faco_r1", "caco128_r5", "caco128_r1", "caco_r1", "cafo_r1"]
 RAMPS = ["fafo_incr40", "caco128_incr10"]

@@ -29,11 +29,14 @@ import time
 import numpy as np
 from scipy import stats
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from coupled_qk_jax.qkov import metrics as qm
 
-import qkov_synthetic as synth  # noqa: E402
-from coupled_qk_jax.qkov import metrics as qm  # noqa: E402
+# A sibling experiment: `experiments.` when imported as a package module (python -m experiments.X, the tests), by its
+# bare name when run as a script (python experiments/X.py puts this folder first on the path).
+if __package__:
+    from experiments import qkov_synthetic as synth
+else:
+    import qkov_synthetic as synth
 
 RESUME = "nice -n 19 python experiments/qkov_paper.py"
 EDGES = [0, 0.2, 0.4, 0.6, 0.8, 1.0]

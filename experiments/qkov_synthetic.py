@@ -33,13 +33,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from configs.qkov import get_config, to_train_config  # noqa: E402
-from coupled_qk_jax.qkov import metrics as qm  # noqa: E402
-from coupled_qk_jax.qkov import model as qmodel  # noqa: E402
-from coupled_qk_jax.qkov import train as qtrain  # noqa: E402
-from coupled_qk_jax.reporting import code_commit  # noqa: E402
+from coupled_qk_jax.configs.qkov import get_config, to_train_config
+from coupled_qk_jax.qkov import metrics as qm
+from coupled_qk_jax.qkov import model as qmodel
+from coupled_qk_jax.qkov import train as qtrain
+from coupled_qk_jax.reporting import code_commit
 
 # name -> (config arg, overrides of the config's fields)
 # The notebooks ran row 1's FAFO and FACO with one seed; we add two (as CACO's 3), so that the row-1 comparisons

@@ -144,7 +144,7 @@ def set_dotted(cfg: ml_collections.ConfigDict, key: str, value: Any) -> None:
 def make_config(run: Run, cache_dir: str, eval_points: int = 10) -> ml_collections.ConfigDict:
     """The loop config of one cell: the task's config file, the cell's overrides, its seeds."""
     if run.task == "mqar":
-        from configs import mqar as mqar_cfg  # noqa: PLC0415
+        from coupled_qk_jax.configs import mqar as mqar_cfg  # noqa: PLC0415
 
         cfg = mqar_cfg.get_config(f"{run.variant},{run.level},{run.protocol}")
         cfg.mqar.epochs = int(run.epochs)  # train.steps etc. follow (FieldReferences)
@@ -152,7 +152,7 @@ def make_config(run: Run, cache_dir: str, eval_points: int = 10) -> ml_collectio
             cfg.mqar.num_train = int(run.num_train)
         cfg.model.update(run.model)
     elif run.task == "lm":
-        from configs import lm  # noqa: PLC0415
+        from coupled_qk_jax.configs import lm  # noqa: PLC0415
 
         cfg = lm.get_config(f"{run.variant},{'tiny' if run.scale in EXTRA_SCALES else run.scale}")
         cfg.model.update(EXTRA_SCALES.get(run.scale, {}))

@@ -31,9 +31,6 @@ import argparse
 import os
 import sys
 
-# Runnable as `python tests/multihost_worker.py` from a checkout: the repository root (for `configs`) goes first.
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -134,7 +134,7 @@ def test_mistakes_are_one_line(tmp_path, capsys):
 def _continue_config(tmp_path, exported, **model):
     from test_training import write_corpus
 
-    from configs.lm import get_config
+    from coupled_qk_jax.configs.lm import get_config
 
     cfg = get_config("coupled_euler,tiny")
     cfg.model.update({"vocab_size": 512, "max_len": 64, "d_model": 64, "n_layers": 2, "n_heads": 4, "d_ff": 256,
@@ -211,7 +211,7 @@ def test_glue_fine_tuning_from_the_import_scores_and_submits(standard, tmp_path)
     validation accuracy in summary.json is the one computed here from the restored model's head on the whole dev
     set in one batch (the evaluator batches 13 examples by 4, padding the last batch), and eval.py --split=test's
     SST-2.tsv holds that model's argmax for every test row, in GLUE's format."""
-    from configs.glue import get_config
+    from coupled_qk_jax.configs.glue import get_config
     from coupled_qk_jax.data import glue
     from coupled_qk_jax.training import loop
     from coupled_qk_jax.training.run import Run
@@ -246,7 +246,7 @@ def test_glue_fine_tuning_from_the_import_scores_and_submits(standard, tmp_path)
 
 
 def test_glue_configs_and_their_mistakes(tmp_path):
-    from configs.glue import get_config
+    from coupled_qk_jax.configs.glue import get_config
     from coupled_qk_jax.data.tokenizer import ByteTokenizer
     from coupled_qk_jax.training import tasks
     from coupled_qk_jax.training.config import RunConfig

@@ -10,7 +10,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from configs import lm, mqar
+from coupled_qk_jax.configs import lm, mqar
 from coupled_qk_jax.errors import UserError
 from coupled_qk_jax.training import loop, loop_parts
 from coupled_qk_jax.training.config import CheckpointConfig, EarlyStopConfig, RunConfig, TrainConfig, configdict

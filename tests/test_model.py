@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from configs import lm
 from coupled_qk_jax.attention import CausalSelfAttention, lambda_init
 from coupled_qk_jax.config import ALL_VARIANTS, DYNAMICS_METHOD, ModelConfig
+from coupled_qk_jax.configs import lm
 from coupled_qk_jax.model import TransformerLM, abstract_param_count, count_params
 
 SMALL = dict(vocab_size=61, max_len=16, d_model=32, n_layers=2, n_heads=4, d_ff=64, coupling_hidden=8,

@@ -366,7 +366,7 @@ def test_batches_without_padding_and_errors():
 def test_training_replays_the_batches_in_order_every_epoch():
     """The MQAR task's training dataset with mqar.shuffle off (zoology's order): batch i of every epoch is stored
     batch i, for any seed, with the labels as the targets. (The default, seeded order: test_mqar_train.py.)"""
-    from configs import mqar as mqar_config
+    from coupled_qk_jax.configs import mqar as mqar_config
     from coupled_qk_jax.training.config import RunConfig
     from coupled_qk_jax.training.tasks import MQARTask
 

@@ -15,8 +15,8 @@ from absl import flags
 from flax import nnx
 from ml_collections import config_flags
 
-from configs import mqar as mqar_cfg
 from coupled_qk_jax.config import ALL_VARIANTS, ModelConfig
+from coupled_qk_jax.configs import mqar as mqar_cfg
 from coupled_qk_jax.data import mqar
 from coupled_qk_jax.training import loop, tasks
 from coupled_qk_jax.training.config import RunConfig
@@ -177,7 +177,7 @@ def test_validation_and_test_splits_are_different_segments(trained):
 def test_eval_prints_mqar_metrics_without_the_validation_prefix(trained, capsys):
     """eval.py's report of a test evaluation names the split once and its metrics plainly: zoology's "valid/" keys
     (kept in the JSON) do not make a test score read as a validation one."""
-    import eval as eval_cli
+    from coupled_qk_jax.cli import eval as eval_cli
 
     cfg, workdir, _, _ = trained
     from coupled_qk_jax.training.run import Run

@@ -291,7 +291,7 @@ from coupled_qk_jax.distributed import initialize_distributed
 initialize_distributed(initialization_timeout=60)
 import jax, numpy as np
 from jax.experimental import multihost_utils
-from configs.lm import get_config
+from coupled_qk_jax.configs.lm import get_config
 from coupled_qk_jax.training import loop
 from coupled_qk_jax.training.cli import config_json
 from coupled_qk_jax.training.config import RunConfig

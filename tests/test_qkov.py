@@ -412,8 +412,7 @@ def test_cli_writes_exact_columns(tmp_path, capsys):
 
 
 def test_config_grammar():
-    sys.path.insert(0, REPO)
-    from configs.qkov import get_config, to_train_config
+    from coupled_qk_jax.configs.qkov import get_config, to_train_config
 
     c = get_config("fafo,20")
     assert c.qk_ratio == 20.0 and c.init == "eye" and len(c.seeds) == 5
@@ -427,8 +426,7 @@ def test_config_grammar():
 
 
 def test_config_budgets_and_stop_rule_are_the_notebooks():
-    sys.path.insert(0, REPO)
-    from configs.qkov import get_config
+    from coupled_qk_jax.configs.qkov import get_config
 
     # (epochs, batches, seeds, stop) of the released Figure-2 notebook cells.
     for arg, want in [("fafo,1", (2500, 250, 1, True)), ("faco,1", (2500, 250, 1, True)),
@@ -446,8 +444,7 @@ def test_config_budgets_and_stop_rule_are_the_notebooks():
 
 
 def test_fixed_attention_pooled_parts_match_the_model_path():
-    sys.path.insert(0, os.path.join(REPO, "experiments"))
-    import qkov_fixed_attention as fx
+    from experiments import qkov_fixed_attention as fx
 
     rng = np.random.RandomState(0)
     x = qdata.split(qdata.generate_batches(rng, 1, 3, 12, fixed_attention=True).reshape(-1, 12))[0]
@@ -464,8 +461,7 @@ def test_fixed_attention_pooled_parts_match_the_model_path():
 
 
 def test_report_welch_interval_and_verdict_rules():
-    sys.path.insert(0, os.path.join(REPO, "experiments"))
-    import qkov_report as rep
+    from experiments import qkov_report as rep
 
     # a = [1, 2, 3], b = [0, 0, 0]: difference 2, se = sqrt(1/3), Welch dof = 2, t_0.975(2) = 4.302653 (tables).
     d, lo, hi = rep.welch([1.0, 2.0, 3.0], [0.0, 0.0, 0.0])
@@ -486,8 +482,7 @@ def test_report_welch_interval_and_verdict_rules():
 
 
 def test_report_names_the_commit_of_each_seed():
-    sys.path.insert(0, os.path.join(REPO, "experiments"))
-    import qkov_report as rep
+    from experiments import qkov_report as rep
 
     rows = [{"seed": 1234, "commit": "475a9af" + "0" * 33}, {"seed": 1235, "commit": "2a0d859" + "1" * 33 + "+dirty"},
             {"seed": 1236, "commit": "2a0d859" + "1" * 33 + "+dirty"}]

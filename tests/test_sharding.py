@@ -315,7 +315,7 @@ def test_logical_to_spec_refuses_what_does_not_divide():
 
 def test_150m_heads_on_tensor_8_is_an_error_naming_the_parameter():
     """The issue's example: 150m has 12 heads; tensor=8 used to replicate them silently (no tensor parallelism)."""
-    from configs import lm
+    from coupled_qk_jax.configs import lm
 
     cfg = ModelConfig.from_dict(lm.get_config("coupled_euler,150m").model.to_dict())
     abstract = nnx.eval_shape(lambda: TransformerLM(cfg, 0))  # no memory: shapes and metadata only

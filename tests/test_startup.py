@@ -16,6 +16,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import tomllib
 
 import pytest
 
@@ -31,6 +32,11 @@ ENTRY_POINTS = sorted({"train.py", "eval.py", "sample.py", "export.py", "coupled
                        "experiments/qkov_lm_bridge.py",
                        *(str(p.relative_to(ROOT)) for p in (ROOT / "benchmarks").glob("*.py"))}
                       - {"benchmarks/bench_torch_peer.py"})
+# The console scripts (pyproject.toml's [project.scripts], "module:function"); each function configures the process
+# first, as an entry point's main block does. Not these: the ahead-of-time compile's work is the TPU compiler's (and
+# it sets JAX_PLATFORMS=cpu only on import), and prepare tokenises text without JAX.
+CONSOLE_SCRIPTS = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+UNCONFIGURED_CONSOLE_SCRIPTS = {"coupled-qk-aot", "coupled-qk-prepare"}
 
 # Runs in a fresh interpreter: optional imports (argv[1], comma-separated), then configure_process() unless argv[2] is
 # "no", twice with the opt-out set in between, then glibc's own view of a 64 MB malloc and of a new thread's arena.
@@ -141,7 +147,7 @@ def test_not_applied_when_another_allocator_is_preloaded(tmp_path):
 
 def test_importing_the_library_changes_nothing(tmp_path):
     imports = ("coupled_qk_jax,coupled_qk_jax.training.loop,coupled_qk_jax.main_job,coupled_qk_jax.generate,"
-               "coupled_qk_jax.export,experiments.sweep")
+               "coupled_qk_jax.export,coupled_qk_jax.cli.train,coupled_qk_jax.cli.eval,experiments.sweep")
     untouched = probe(tmp_path, imports, configure=False)
     assert not untouched["before"]  # nothing called configure_process
     assert untouched["mmapped_delta"] >= BLOCK and untouched["arenas"] >= 2  # glibc's defaults in force
@@ -191,12 +197,66 @@ def _calls_configure_first(source: str) -> bool:
     return False
 
 
+def _function_configures_first(source: str, name: str) -> bool:
+    """True when function ``name`` calls configure_process() before anything else (its docstring and imports
+    aside)."""
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.FunctionDef) and node.name == name:
+            for stmt in node.body:
+                if isinstance(stmt, (ast.Import, ast.ImportFrom)) or (
+                        isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant)):
+                    continue
+                return (isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call)
+                        and ast.unparse(stmt.value.func).endswith("configure_process"))
+    return False
+
+
+def _console_script_target(source: str) -> str | None:
+    """``module:function`` of a console script when the ``__main__`` block's first statement calls it, imported
+    with ``from module import function`` (a thin top-level file such as train.py), else None."""
+    imported = {alias.asname or alias.name: f"{node.module}:{alias.name}" for node in ast.parse(source).body
+                if isinstance(node, ast.ImportFrom) for alias in node.names}
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.If) and ast.unparse(node.test) in ('__name__ == "__main__"', "__name__ == '__main__'"):
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Call):
+                target = imported.get(ast.unparse(first.value.func))
+                return target if target in CONSOLE_SCRIPTS.values() else None
+    return None
+
+
+def _configures_first(target: str) -> bool:
+    module, _, function = target.partition(":")
+    return _function_configures_first((ROOT / (module.replace(".", "/") + ".py")).read_text(), function)
+
+
+def test_every_console_script_configures_the_process_first():
+    assert {"coupled-qk-train", "coupled-qk-eval", "coupled-qk-sample", "coupled-qk-export"} <= set(CONSOLE_SCRIPTS)
+    missing = [name for name, target in CONSOLE_SCRIPTS.items()
+               if name not in UNCONFIGURED_CONSOLE_SCRIPTS and not _configures_first(target)]
+    assert not missing, f"call coupled_qk_jax.startup.configure_process() first in the function of {missing}"
+    # Positive control: a function that starts work first is caught; a docstring and imports may come first.
+    assert not _function_configures_first("def main():\n    run()\n    configure_process()\n", "main")
+    assert _function_configures_first('def main():\n    """Doc."""\n    from x import configure_process\n'
+                                      "    configure_process()\n", "main")
+
+
 def test_every_entry_point_configures_the_process_first():
     assert len(ENTRY_POINTS) >= 21
-    missing = [p for p in ENTRY_POINTS if not _calls_configure_first((ROOT / p).read_text())]
+
+    def configured(path: str) -> bool:
+        source = (ROOT / path).read_text()
+        target = _console_script_target(source)  # train.py etc.: the console script's function, checked above
+        return _calls_configure_first(source) or (target is not None and _configures_first(target))
+
+    missing = [p for p in ENTRY_POINTS if not configured(p)]
     assert not missing, f"call coupled_qk_jax.startup.configure_process() first in the __main__ block of {missing}"
     # Positive control: a main block that starts work first, or lacks the call, is caught.
     assert not _calls_configure_first('if __name__ == "__main__":\n    main()\n    configure_process()\n')
     assert not _calls_configure_first("def main():\n    configure_process()\n")
     assert _calls_configure_first('if __name__ == "__main__":\n    from x import configure_process\n'
                                   '    configure_process()\n    main()\n')
+    # A thin file counts through the console script it calls, and only through one.
+    thin = 'from coupled_qk_jax.cli.train import main\n\nif __name__ == "__main__":\n    main()\n'
+    assert _console_script_target(thin) == "coupled_qk_jax.cli.train:main"
+    assert _console_script_target(thin.replace("coupled_qk_jax.cli.train", "elsewhere")) is None

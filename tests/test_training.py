@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from configs.lm import get_config
+from coupled_qk_jax.configs.lm import get_config
 from coupled_qk_jax import sharding as shd
 from coupled_qk_jax.config import ModelConfig
 from coupled_qk_jax.data.pipeline import IGNORE_INDEX

@@ -228,6 +228,7 @@ def test_sigkill_mid_run_resumes_with_the_uninterrupted_metrics(tmp_path, refere
     (["--config=configs/lm.py:standard,tyni"], "error: configs/lm.py: unknown scale 'tyni'"),
     (["--config=configs/lm.py:standrd,tiny"], "error: configs/lm.py: unknown variant 'standrd' (did you mean"),
     (["--config=configs/lm.py:standard,tiny", "--config.train.steps=abc"], "error: flag --config.train.steps=abc"),
+    (["--config=configs/nope.py:standard,tiny"], "error: --config: no config file 'configs/nope.py'"),
 ])
 def test_cli_config_mistakes_are_one_line(tmp_path, args, expected):
     out = _run(["train.py", f"--workdir={tmp_path / 'run'}", *args], timeout=900)
@@ -246,6 +247,26 @@ def test_print_config_lists_every_field_and_exits(tmp_path):
     assert printed["model"]["variant"] == "coupled_euler" and printed["checkpoint"]["every_seconds"] == 600
     help_text = _run(["train.py", "--help"], timeout=900).stdout
     assert "coupled_euler+differential" in help_text and "350m" in help_text
+
+
+def test_a_preset_path_is_the_packaged_preset_where_no_such_file_exists(tmp_path, monkeypatch):
+    """--config=configs/NAME.py where the command runs has no configs/ (an installed package's user): the packaged
+    preset of that name; a file at that path, where there is one, is loaded as given; anything else is refused."""
+    from coupled_qk_jax.errors import UserError
+    from coupled_qk_jax.training import cli
+
+    monkeypatch.chdir(tmp_path)
+    packaged = os.path.join(cli.PRESETS_DIR, "lm.py")
+    assert cli.resolve_config_spec("configs/lm.py:coupled_euler,tiny") == packaged + ":coupled_euler,tiny"
+    assert cli.resolve_config_argv(["train.py", "--config", "./configs/lm.py"]) == ["train.py", "--config", packaged]
+    assert cli.load_config_file("configs/mqar.py:standard,easy").task == "mqar"
+    for spec in ("configs/nope.py", str(tmp_path / "configs" / "lm.py"), "other/lm.py", "configs/__init__.py"):
+        with pytest.raises(UserError, match="no config file"):
+            cli.resolve_config_spec(spec)
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "lm.py").write_text("def get_config(arg=None):\n    return arg\n")
+    assert cli.resolve_config_spec("configs/lm.py:mine") == "configs/lm.py:mine"
+    assert cli.load_config_file("configs/lm.py:mine") == "mine"
 
 
 def test_run_guarded_maps_user_errors_and_keeps_bugs(capsys):

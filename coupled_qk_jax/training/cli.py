@@ -1,4 +1,5 @@
-"""Shared command-line plumbing for train.py and eval.py: flag parsing, config checks, one-line errors, exit statuses.
+"""Shared command-line plumbing for the commands (coupled_qk_jax/cli/): flag parsing, config files, one-line errors,
+exit statuses.
 
 Exit statuses (docs/training.md):
 
@@ -9,6 +10,13 @@ Exit statuses (docs/training.md):
     4    a checkpoint could not be written (disk full, permissions); the last good checkpoint is kept
     130  interrupted by SIGINT (Ctrl-C), 143 by SIGTERM: the step was finished, saved and summarised; rerun the
          same command to resume
+
+Config files. ``--config=PATH[:ARG]`` names a Python file with ``get_config(ARG)`` (ml_collections' config_flags).
+When PATH does not exist and reads ``configs/NAME.py`` (relative, as the repository's commands write it), the
+preset packaged as ``coupled_qk_jax/configs/NAME.py`` is loaded instead: ``coupled-qk-train
+--config=configs/lm.py:coupled_euler,tiny`` runs from any directory of an installed package, and in a checkout the
+repository's thin ``configs/*.py`` are the same presets. A config file that is neither is one ``error:`` line
+(exit 2).
 
 Nothing here imports JAX, so ``--help``, ``--print_config`` and flag errors stay fast.
 """
@@ -28,6 +36,8 @@ from coupled_qk_jax.errors import UserError, did_you_mean
 EXIT_USER_ERROR = 2
 EXIT_NONFINITE = 3
 EXIT_SAVE_FAILED = 4
+# The packaged presets (coupled_qk_jax/configs/*.py), found by file like any config file.
+PRESETS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 
 
 def fail(message: str) -> None:
@@ -40,9 +50,11 @@ def fail(message: str) -> None:
 def parse_flags(argv: list[str]) -> list[str]:
     """absl ``flags_parser`` for ``app.run``: flag and config mistakes become one ``error:`` line and exit 2.
 
-    ``--config.FIELD=VALUE`` overrides are checked against the loaded config first, so a typo names the closest
-    field instead of raising from inside ml_collections."""
+    ``--config`` is resolved first (:func:`resolve_config_argv`: the packaged preset for a ``configs/NAME.py`` that
+    is not here), then ``--config.FIELD=VALUE`` overrides are checked against the loaded config, so a typo names the
+    closest field instead of raising from inside ml_collections."""
     try:
+        argv = resolve_config_argv(argv)
         check_config_overrides(argv)
         return flags.FLAGS(argv)
     except UserError as e:
@@ -61,16 +73,68 @@ def _flag_value(argv: list[str], name: str) -> str | None:
     return None
 
 
+def packaged_preset(path: str) -> str | None:
+    """The packaged preset's file for ``configs/NAME.py`` (relative), else None."""
+    parts = os.path.normpath(path).split(os.sep)
+    if os.path.isabs(path) or len(parts) != 2 or parts[0] != "configs" or not parts[1].endswith(".py"):
+        return None
+    preset = os.path.join(PRESETS_DIR, parts[1])
+    return preset if parts[1] != "__init__.py" and os.path.isfile(preset) else None
+
+
+def resolve_config_spec(spec: str) -> str:
+    """``PATH[:ARG]`` as given when PATH exists; the packaged preset's file for a ``configs/NAME.py`` that does not
+    (module docstring); otherwise a UserError naming the presets."""
+    path, sep, arg = spec.partition(":")
+    if os.path.isfile(path):
+        return spec
+    preset = packaged_preset(path)
+    if preset is not None:
+        return preset + sep + arg
+    names = ", ".join(f"configs/{name}" for name in sorted(os.listdir(PRESETS_DIR))
+                      if name.endswith(".py") and name != "__init__.py")
+    raise UserError(f"--config: no config file {path!r}; a file path or a packaged preset ({names}), e.g. "
+                    f"--config=configs/lm.py:coupled_euler,tiny")
+
+
+def resolve_config_argv(argv: list[str]) -> list[str]:
+    """``argv`` with its ``--config=SPEC`` (or ``--config SPEC``) resolved by :func:`resolve_config_spec`."""
+    out = list(argv)
+    for i, arg in enumerate(out[1:], start=1):
+        if arg.startswith("--config="):
+            out[i] = "--config=" + resolve_config_spec(arg[len("--config="):])
+        elif arg == "--config" and i + 1 < len(out):
+            out[i + 1] = resolve_config_spec(out[i + 1])
+    return out
+
+
 def load_config_file(spec: str) -> Any:
-    """``path/to/config.py[:ARG]`` -> ``get_config(ARG)``, as ml_collections' config_flags loads it."""
-    path, _, arg = spec.partition(":")
-    if not os.path.isfile(path):
-        raise UserError(f"--config: no config file {path!r}; e.g. --config=configs/lm.py:coupled_euler,tiny")
+    """``path/to/config.py[:ARG]`` -> ``get_config(ARG)``, as ml_collections' config_flags loads it (a packaged
+    preset for a ``configs/NAME.py`` that is not here)."""
+    path, _, arg = resolve_config_spec(spec).partition(":")
     module_spec = importlib.util.spec_from_file_location("_checked_config", path)
     assert module_spec is not None and module_spec.loader is not None
     module = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(module)
     return module.get_config(arg) if arg else module.get_config()
+
+
+def run_command(app_main: Callable[[list[str]], None], flags_module: str, doc: str,
+                flags_parser: Callable[[list[str]], list[str]] | None = None) -> None:
+    """``app.run(app_main)`` for a command whose flags module ``flags_module`` has just defined.
+
+    absl's ``--help`` prints the ``__main__`` module's docstring and the flags defined there; the process may have
+    been started by a console script's generated file, a thin top-level file or ``python -m``, so the command's own
+    docstring and flags are made ``__main__``'s."""
+    from absl import app
+
+    sys.modules["__main__"].__doc__ = doc
+    for flag in flags.FLAGS.get_key_flags_for_module(flags_module):
+        flags.FLAGS.register_key_flag_for_module(sys.argv[0], flag)
+    if flags_parser is None:
+        app.run(app_main)
+    else:
+        app.run(app_main, flags_parser=flags_parser)
 
 
 def config_fields(cfg: Any, prefix: str = "") -> list[str]:
