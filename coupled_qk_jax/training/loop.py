@@ -23,8 +23,8 @@ fingerprint, the tokenizer and the held-out splits in it; every later start chec
 them before anything is tokenised or trained, and evaluation needs nothing but the run directory.
 
 Public entry point: :func:`train` (used by train.py, the main job and the sweeps). Saved runs are read (evaluated,
-sampled, exported, diagnosed) through training/run.py's :class:`Run`, which shares :func:`run.state_layout` with
-:func:`setup`.
+sampled, exported, diagnosed) through training/run.py's :class:`Run`; both build the mesh, the optimiser and the
+state's shapes with training/layout.py, once per start.
 """
 
 from __future__ import annotations
@@ -56,15 +56,14 @@ from coupled_qk_jax.model import TransformerLM
 from coupled_qk_jax.training import observe
 from coupled_qk_jax.training import optimizer as opt_lib
 from coupled_qk_jax.training import loop_parts, rundir, tasks
-from coupled_qk_jax.training import run as run_lib
 from coupled_qk_jax.training.checkpoint import Checkpointer, abstract_target
 from coupled_qk_jax.training.config import RunConfig
 from coupled_qk_jax.training.early_stop import EarlyStop
+from coupled_qk_jax.training.layout import make_mesh, state_layout
 from coupled_qk_jax.training.loop_parts import (
     Cadence, LossWindow, SavePolicy, ThroughputMeter, first_nonfinite)
 from coupled_qk_jax.training.steps import init_train_state, make_train_step, split_model
-from coupled_qk_jax.reporting import mean_std
-from coupled_qk_jax.training.writers import MetricsWriter, read_metrics
+from coupled_qk_jax.training.writers import MetricsWriter, per_seed, read_metrics, summary_metrics
 
 # Set by the SIGINT/SIGTERM handler (to the signal's number); the loop checks it at every step boundary, saves,
 # writes the summary and returns with status "interrupted".
@@ -115,16 +114,6 @@ def model_config(cfg: ml_collections.ConfigDict) -> ModelConfig:
         return ModelConfig.from_dict(cfg.model.to_dict())
     except ValueError as e:  # raised only by ModelConfig's own field checks
         raise UserError(str(e)) from None
-
-
-def validate(run: RunConfig, mesh_batch_devices: int) -> None:
-    """The checks that need the processes and the mesh (RunConfig checked everything else); one-line UserErrors."""
-    b, accum = run.train.batch_size, run.train.grad_accum
-    if (b // accum) % mesh_batch_devices:
-        raise UserError(f"the micro-batch train.batch_size/train.grad_accum={b // accum} is not divisible by the "
-                        f"{mesh_batch_devices} data-parallel devices (mesh.data * mesh.fsdp); change the batch "
-                        f"size or --config.mesh.data")
-    EarlyStop.from_config(run.train.early_stop, 1, tasks.METRIC_NAMES[run.task])  # the metric is this task's
 
 
 def load_data(run: RunConfig, *, run_tokenizer: str | None = None, tokenizer_sha: str | None = None) -> TokenCache:
@@ -280,28 +269,19 @@ class Setup:
                 for k, v in tensors.items()}
 
 
-def make_mesh(run: RunConfig) -> jax.sharding.Mesh:
-    """The run's mesh, after the checks that need it (:func:`validate`); every mistake is a UserError."""
-    try:
-        shd.mesh_shape(run.mesh.sizes())  # the mesh block's own checks (sizes, -1) are the user's config mistakes
-    except ValueError as e:
-        raise UserError(str(e)) from None
-    mesh = shd.make_mesh(run.mesh.sizes())
-    validate(run, mesh.shape["data"] * mesh.shape["fsdp"])
-    return mesh
-
-
 def _checkpointer(run: RunConfig, directory: str, read_only: bool = False) -> Checkpointer:
     ck = run.checkpoint
     return Checkpointer(directory, ck.keep_last, ck.keep_every, ck.async_save, read_only=read_only,
                         keep_best=ck.keep_best)
 
 
-def setup(run: RunConfig, workdir: str, cache: Any = None, *, read_only: bool = False) -> Setup:
-    """Task, abstract model, optimiser, shardings and the checkpoint manager of ``workdir``. ``cache`` is an LM
-    run's TokenCache or RunData (default: :func:`load_data`, for benchmarks); ``read_only`` for evaluation."""
+def setup(run: RunConfig, workdir: str, cache: Any = None, *, read_only: bool = False,
+          mesh: jax.sharding.Mesh | None = None) -> Setup:
+    """Task, abstract model, optimiser, shardings and the checkpoint manager of ``workdir`` on ``mesh`` (default:
+    ``layout.make_mesh(run)``). ``cache`` is an LM run's TokenCache or RunData (default: :func:`load_data`, for
+    benchmarks); ``read_only`` for evaluation."""
     observe.enable_compilation_cache()  # before the first compile: reuse the programs of earlier runs
-    mesh, mcfg = make_mesh(run), run.model
+    mesh, mcfg = mesh if mesh is not None else make_mesh(run), run.model
     batch_devices = mesh.shape["data"] * mesh.shape["fsdp"]
     if run.task == "lm":
         cache = cache if cache is not None else load_data(run)
@@ -313,7 +293,7 @@ def setup(run: RunConfig, workdir: str, cache: Any = None, *, read_only: bool = 
     task.validate(batch_devices)
     seeds = run.train.seeds
     # Shapes only: the abstract model carries the logical-axis metadata that the shardings are read from.
-    layout = run_lib.state_layout(mcfg, run.train, seeds, mesh)
+    layout = state_layout(mcfg, run.train, seeds, mesh)
     checkpointer = _checkpointer(run, os.path.join(workdir, "checkpoints"), read_only)
     return Setup(run, mesh, cache, task, seeds, layout.graphdef, layout.abstract_state, layout.tx, layout.shardings,
                  layout.n_params, checkpointer)
@@ -407,28 +387,6 @@ def upgrade_stream_spec(spec: dict[str, Any]) -> dict[str, Any]:
     return {**out, "batch_size": int(spec["batch_size_per_host"])}
 
 
-def per_seed(metrics: dict[str, Any], num_seeds: int) -> dict[str, Any]:
-    """Per-seed arrays [S] -> the metrics.jsonl / summary form: ``name`` = the mean over seeds (the value itself for
-    a single run) and, with several seeds, ``name/seeds`` = the list in seed order. Other values pass through."""
-    arrays = {k: v.reshape(-1) for k, v in metrics.items() if isinstance(v, np.ndarray)}
-    # One reduction over a [K, S] table instead of K calls of np.mean: a 350m log line has ~460 per-seed values
-    # (a Δt per layer and head), and K small reductions took ~10 ms of host time while the devices waited.
-    means: dict[str, float] = {}
-    for size in {v.size for v in arrays.values()}:
-        names = [k for k, v in arrays.items() if v.size == size]
-        table = np.stack([arrays[k] for k in names])
-        means.update(zip(names, table.mean(axis=1).tolist()))
-    out: dict[str, Any] = {}
-    for k, v in metrics.items():
-        if k in arrays:
-            out[k] = means[k]
-            if num_seeds > 1:
-                out[f"{k}/seeds"] = arrays[k].tolist()
-        else:
-            out[k] = v
-    return out
-
-
 def _summary_base(s: Setup, workdir: str) -> dict[str, Any]:
     run = s.config
     return {"task": s.task.name, "variant": s.mcfg.variant, "scale": run.scale, "n_params": s.n_params,
@@ -511,9 +469,9 @@ def _start(run: RunConfig, config_json: dict[str, Any], workdir: str,
     """Check the run directory, set up, and restore (or initialise): ``(setup, data iterator, state, checkpoint
     meta, checkpoint extras, allowed config changes)``; the extras are what every save stores beside the state."""
     main = jax.process_index() == 0
-    make_mesh(run)  # mesh mistakes before the corpus is read
+    mesh = make_mesh(run)  # mesh mistakes before the corpus is read
     cache, fingerprint, changes = prepare_data(run, config_json, workdir, allow_change)
-    s = setup(run, workdir, cache)
+    s = setup(run, workdir, cache, mesh=mesh)
     if s.task.name == "lm" and main and s.task.summary()["skipped_non_utf8"]:
         print(f"warning: skipped {s.task.summary()['skipped_non_utf8']} non-UTF-8 file(s) in {run.data.corpus} "
               f"(see the token cache manifest)", flush=True)
@@ -549,7 +507,9 @@ def _extend_schedule(s: Setup, workdir: str, changes: dict[str, Any]) -> dict[st
         return None
     train = s.config.train
     s.lr_extensions = tuple(extensions)
-    s.tx = run_lib.state_layout(s.mcfg, train, s.seeds, s.mesh, s.lr_extensions).tx
+    # The optimiser reads only the params' paths (groups, decay mask), so the seed axis of the abstract state does
+    # not matter, and its state's structure does not depend on the schedule: only the step function changes.
+    s.tx = opt_lib.make_optimizer(s.abstract_state["params"], train, s.lr_extensions)
     if not extending:
         return None
     old_steps = extensions[-1][1]
@@ -765,16 +725,6 @@ def _train_locked(run: RunConfig, config_json: dict[str, Any], workdir: str, pro
         rundir.record_history(workdir, "end", status=status, step=step, checkpoint_step=last_saved,
                               **({"signal": summary["signal"]} if "signal" in summary else {}))
     return (summary, host_params(state)) if return_state else summary
-
-
-def summary_metrics(metrics: dict[str, Any], num_seeds: int) -> dict[str, Any]:
-    """summary.json's form of per-seed metrics: ``name`` = the mean over seeds and, with several seeds,
-    ``name/seeds`` (the list) and ``name/std`` (sample standard deviation, ddof 1)."""
-    out = per_seed(metrics, num_seeds)
-    for k, v in metrics.items():
-        if isinstance(v, np.ndarray) and num_seeds > 1:
-            out[f"{k}/std"] = mean_std(v)[1]
-    return out
 
 
 # --------------------------------------------------------------------------------------------------------------------
