@@ -42,7 +42,7 @@ def validate_on_mesh(run: RunConfig, mesh_batch_devices: int) -> None:
         raise UserError(f"the micro-batch train.batch_size/train.grad_accum={b // accum} is not divisible by the "
                         f"{mesh_batch_devices} data-parallel devices (mesh.data * mesh.fsdp); change the batch "
                         f"size or --config.mesh.data")
-    EarlyStop.from_config(run.train.early_stop, 1, tasks.METRIC_NAMES[run.task])  # the metric is this task's
+    EarlyStop.from_config(run.train.early_stop, 1, tasks.task_class(run.task).metric_names)  # the metric is this task's
 
 
 def make_mesh(run: RunConfig) -> Mesh:

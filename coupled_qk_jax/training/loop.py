@@ -6,11 +6,11 @@ step depends on process history. The dropout key of step s is ``fold_in(fold_in(
 is the grain iterator's checkpointed position, and the learning rate is a function of the step in the optimiser
 state, so 2N steps in one go and N steps + resume + N steps give bitwise identical params and losses.
 
-What is trained and how it is scored is the task plug-in (``training/tasks.py``, ``cfg.task``: language modelling or
-MQAR): a data source and an evaluator. Seeds are an axis of the loop: with ``train.num_seeds = S > 1`` the train
-state has a leading seed axis holding seeds ``train.seed, ..., train.seed + S - 1``, each initialised, fed and keyed
-exactly as the single run with that seed, and the step is ``jax.vmap``-ed over it (one compiled program, one
-checkpoint holding every seed). The seed axis is replicated over the mesh; each seed's batch and params are split
+What is trained and how it is scored is the task plug-in (``training/tasks.py``, ``cfg.task``: language modelling,
+MQAR or GLUE): a data source and an evaluator, asked (never named) wherever tasks differ. Seeds are an axis of the
+loop: with ``train.num_seeds = S > 1`` the train state has a leading seed axis holding seeds ``train.seed, ...,
+train.seed + S - 1``, each initialised, fed and keyed exactly as the single run with that seed, and the step is
+``jax.vmap``-ed over it (one compiled program, one checkpoint holding every seed). The seed axis is replicated over the mesh; each seed's batch and params are split
 over the mesh exactly as a single run's (docs/experiments.md). A single run (S = 1) has no seed axis.
 
 The config is checked once, at :func:`train` / :func:`setup`: the ConfigDict becomes a typed ``RunConfig``
@@ -46,7 +46,6 @@ import numpy as np
 from coupled_qk_jax import paths
 from coupled_qk_jax import sharding as shd
 from coupled_qk_jax.config import ModelConfig
-from coupled_qk_jax.data.pipeline import train_stream_spec
 from coupled_qk_jax.data.prepared import open_tokens
 from coupled_qk_jax.data.token_cache import (
     TokenCache, data_fingerprint, find_token_cache, shared_token_cache, source_contents, tokenizer_sha256)
@@ -68,10 +67,6 @@ from coupled_qk_jax.training.writers import MetricsWriter, per_seed, read_metric
 # Set by the SIGINT/SIGTERM handler (to the signal's number); the loop checks it at every step boundary, saves,
 # writes the summary and returns with status "interrupted".
 _STOP_SIGNAL: list[int] = []
-
-
-# The loss each task's periodic evaluation reports: what checkpoint.keep_best=validation_loss ranks by.
-LOSS_METRIC = {"lm": "val_loss", "mqar": "valid/loss", "glue": "valid/loss"}
 
 
 def stop_signal() -> int | None:
@@ -174,14 +169,11 @@ def prepare_data(run: RunConfig, config_json: dict[str, Any], workdir: str,
         for note in rundir.upgrade_config(saved_cfg)[1]:
             print(f"note: {note}", file=sys.stderr, flush=True)
     saved = rundir.read_json(os.path.join(workdir, rundir.DATA))
-    if run.task != "lm":  # generated data (MQAR) or GLUE's files: named by the config, which is checked above
+    task = tasks.task_class(run.task)
+    if not task.uses_corpus:  # generated data (MQAR) or GLUE's files: named by the config, which is checked above
         fingerprint = {"task": run.task}
         if saved is None and jax.process_index() == 0:
-            if run.task == "glue":  # the tokenizer goes with the run, so that it evaluates wherever it is moved
-                tokenizer = tasks.sentence_tokenizer(run)
-                if tokenizer.kind == "bpe":
-                    tokenizer.save(os.path.join(workdir, rundir.TOKENIZER))
-                fingerprint["tokenizer"] = {"kind": tokenizer.kind, "vocab_size": int(tokenizer.vocab_size)}
+            fingerprint.update(task.record_data(run, workdir))
             rundir.write_json(os.path.join(workdir, rundir.DATA), fingerprint)
         return None, fingerprint, changes
     spec = run.data.corpus_spec()
@@ -204,8 +196,8 @@ class Setup:
 
     config: RunConfig
     mesh: jax.sharding.Mesh
-    cache: Any  # an LM task's TokenCache (training) or the run directory's rundir.RunData (evaluation); None for MQAR
-    task: Any  # tasks.LMTask | tasks.MQARTask: the data source and the evaluator
+    cache: Any  # a corpus task's TokenCache (training) or the run directory's rundir.RunData (evaluation), else None
+    task: tasks.Task  # the data source and the evaluator
     seeds: list[int]  # one per replica; a leading seed axis on every state leaf when len(seeds) > 1
     graphdef: Any
     abstract_state: dict  # ShapeDtypeStructs of {"params", "opt_state", "step"}
@@ -282,15 +274,9 @@ def setup(run: RunConfig, workdir: str, cache: Any = None, *, read_only: bool = 
     benchmarks); ``read_only`` for evaluation."""
     observe.enable_compilation_cache()  # before the first compile: reuse the programs of earlier runs
     mesh, mcfg = mesh if mesh is not None else make_mesh(run), run.model
-    batch_devices = mesh.shape["data"] * mesh.shape["fsdp"]
-    if run.task == "lm":
-        cache = cache if cache is not None else load_data(run)
-        task = tasks.LMTask(run, cache)
-    elif run.task == "glue":
-        task = tasks.GlueTask(run, batch_devices, tasks.sentence_tokenizer(run, workdir))
-    else:
-        task = tasks.MQARTask(run, batch_devices)
-    task.validate(batch_devices)
+    if cache is None and tasks.task_class(run.task).uses_corpus:
+        cache = load_data(run)
+    task = tasks.make_task(run, mesh.shape["data"] * mesh.shape["fsdp"], workdir, cache)
     seeds = run.train.seeds
     # Shapes only: the abstract model carries the logical-axis metadata that the shardings are read from.
     layout = state_layout(mcfg, run.train, seeds, mesh)
@@ -366,12 +352,7 @@ def stream_spec(s: Setup) -> dict[str, Any]:
     """What fixes the run's sequence of global training batches besides the step, saved with every checkpoint: a
     resume into a stream with another spec is refused (the step would index other batches). It says nothing of the
     hosts: which rows a host reads follows from the mesh, so a run resumes on any number of them."""
-    batch_size, seq_len = s.config.train.batch_size, s.config.data.seq_len
-    if s.task.name == "lm":
-        spec = train_stream_spec(s.cache.tokens("train"), seq_len, batch_size, s.seeds[0], bos_id=s.cache.eot_id)
-    else:
-        spec = {"batches_per_epoch": len(s.task.train), "batch_size": batch_size}
-    return {"task": s.task.name, **spec, "seed": list(s.seeds)}
+    return {"task": s.task.name, **s.task.stream_spec(s.seeds[0]), "seed": list(s.seeds)}
 
 
 def upgrade_stream_spec(spec: dict[str, Any]) -> dict[str, Any]:
@@ -472,9 +453,9 @@ def _start(run: RunConfig, config_json: dict[str, Any], workdir: str,
     mesh = make_mesh(run)  # mesh mistakes before the corpus is read
     cache, fingerprint, changes = prepare_data(run, config_json, workdir, allow_change)
     s = setup(run, workdir, cache, mesh=mesh)
-    if s.task.name == "lm" and main and s.task.summary()["skipped_non_utf8"]:
-        print(f"warning: skipped {s.task.summary()['skipped_non_utf8']} non-UTF-8 file(s) in {run.data.corpus} "
-              f"(see the token cache manifest)", flush=True)
+    if main:
+        for warning in s.task.warnings():
+            print(f"warning: {warning}", flush=True)
     try:
         # State: restored (arrays land directly in their shardings) or fresh; then this host's rows of the
         # seeded stream of global batches, from the state's step.
@@ -605,7 +586,7 @@ def _summary(s: Setup, workdir: str, status: str, step: int, train_loss: np.ndar
     return {**_summary_base(s, workdir), "status": status, **interrupted, "step": step,
             "tokens_seen": step * tokens_per_step,
             **summary_metrics({"train_loss": np.asarray(train_loss, np.float64)}, n_seeds),
-            **({"val_loss": None, "val_ppl": None, "val_tokens": None} if s.task.name == "lm" else {}),
+            **dict.fromkeys(s.task.summary_placeholders),
             **summary_metrics(val, n_seeds), "checkpoint_step": last_saved,
             **({"early_stop": early.summary()} if early is not None else {}),
             "wall_seconds": round(time.time() - t_start, 3),
@@ -638,7 +619,7 @@ def _train_locked(run: RunConfig, config_json: dict[str, Any], workdir: str, pro
     stop_at = train.stop_at
     # train.early_stop: judged on the logged evaluations, so a resumed run first replays them (and a run that had
     # already stopped early trains no further).
-    early = EarlyStop.from_config(train.early_stop, n_seeds, tasks.METRIC_NAMES[s.task.name])
+    early = EarlyStop.from_config(train.early_stop, n_seeds, s.task.metric_names)
     if early is not None and early.replay(read_metrics(workdir), step):
         stop_at = step
     status = "completed" if stop_at == train.steps or (early is not None and early.done) else "stopped"
@@ -692,7 +673,7 @@ def _train_locked(run: RunConfig, config_json: dict[str, Any], workdir: str, pro
             if save_now:
                 # The open loss window travels with the checkpoint: a resumed run logs an uninterrupted one's losses.
                 # A step evaluated just now is ranked by its validation loss (checkpoint.keep_best; mean over seeds).
-                ranked = ({"validation_loss": float(np.mean(val[LOSS_METRIC[s.task.name]]))} if val_at == step
+                ranked = ({"validation_loss": float(np.mean(val[s.task.loss_metric]))} if val_at == step
                           else None)
                 writer.flush()  # the metrics up to this step are as durable as the checkpoint
                 s.checkpointer.save(step, state, {**extras, "train_window": window.meta()}, ranked)

@@ -109,7 +109,7 @@ class Run:
         cfg = ml_collections.ConfigDict(upgraded)
         typed = RunConfig.from_configdict(cfg)
         mcfg, seeds = typed.model, typed.train.seeds
-        data = rundir.RunData(workdir) if typed.task == "lm" else None
+        data = rundir.RunData(workdir) if tasks.task_class(typed.task).uses_corpus else None
         fingerprint = data.fingerprint if data is not None else rundir.read_json(os.path.join(workdir,
                                                                                               rundir.DATA)) or {}
         mesh = reader_mesh(mesh)
@@ -190,26 +190,22 @@ class Run:
         return nnx.merge(self.layout.graphdef, self.params(step, replica))
 
     # -- evaluating --------------------------------------------------------------------------------------------
-    def task(self) -> Any:
-        """The run's task (tasks.LMTask on the run's held-out splits, or tasks.MQARTask) for this mesh. An eval
+    def task(self) -> tasks.Task:
+        """The run's task (tasks.make_task; a corpus task on the run's held-out splits) for this mesh. An eval
         batch size the mesh's data-parallel devices do not divide is rounded up to a multiple of them: every token
         (example) is still scored once, and only float32 summation order within a batch changes."""
         devices = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
         run = self.config
-        rows = run.train.eval_batch_size or (run.train.batch_size if run.task == "lm" else 0)
+        rows = tasks.task_class(run.task).eval_batch_rows(run.train)
         if rows % devices:
             run = dataclasses.replace(run, train=dataclasses.replace(
                 run.train, eval_batch_size=math.ceil(rows / devices) * devices))
-        if run.task == "lm":
-            return tasks.LMTask(run, self.data)
-        if run.task == "glue":
-            return tasks.GlueTask(run, devices, tasks.sentence_tokenizer(run, self.workdir))
-        return tasks.MQARTask(run, devices)
+        return tasks.make_task(run, devices, self.workdir, self.data)
 
     def write_glue_predictions(self, out_dir: str, step: int | None = None, replica: int = 0) -> list[str]:
         """A GLUE run's submission files (GLUE's format, one per test split) from one replica of checkpoint
         ``step`` (default: the newest intact one), written to ``out_dir`` by process 0; returns their paths."""
-        if self.config.task != "glue":
+        if not hasattr(tasks.task_class(self.config.task), "write_test_predictions"):
             raise UserError(f"{self.workdir} is a {self.config.task} run; test predictions are written for GLUE runs")
         at, _ = self.state(step)
         task = self.task()
