@@ -171,8 +171,10 @@ def prepare_data(run: RunConfig, config_json: dict[str, Any], workdir: str,
     saved = rundir.read_json(os.path.join(workdir, rundir.DATA))
     task = tasks.task_class(run.task)
     if not task.uses_corpus:  # generated data (MQAR) or GLUE's files: named by the config, which is checked above
+        if saved is not None:  # what the first start recorded, and what its checkpoints hold
+            return None, saved, changes
         fingerprint = {"task": run.task}
-        if saved is None and jax.process_index() == 0:
+        if jax.process_index() == 0:
             fingerprint.update(task.record_data(run, workdir))
             rundir.write_json(os.path.join(workdir, rundir.DATA), fingerprint)
         return None, fingerprint, changes
