@@ -168,7 +168,7 @@ def compile_steps(cfg: Any, devices: list, steps: tuple[str, ...] = ("train", "e
     from coupled_qk_jax.generate import Generator, Sampling, init_cache  # noqa: PLC0415
     from coupled_qk_jax.model import TransformerLM  # noqa: PLC0415
     from coupled_qk_jax.training import loop, observe, steps as steps_lib  # noqa: PLC0415
-    from coupled_qk_jax.training import run as run_lib  # noqa: PLC0415
+    from coupled_qk_jax.training.layout import state_layout  # noqa: PLC0415
     from coupled_qk_jax.training.config import RunConfig  # noqa: PLC0415
 
     run = cfg if isinstance(cfg, RunConfig) else RunConfig.from_configdict(cfg)
@@ -183,7 +183,7 @@ def compile_steps(cfg: Any, devices: list, steps: tuple[str, ...] = ("train", "e
                         f"{batch_devices} data-parallel devices of this mesh; set --config.train.batch_size to a "
                         f"multiple of {batch_devices}")
     seeds = run.train.seeds
-    layout = run_lib.state_layout(run.model, run.train, seeds, mesh)
+    layout = state_layout(run.model, run.train, seeds, mesh)
     setup = loop.Setup(run, mesh, None, None, seeds, layout.graphdef, layout.abstract_state, layout.tx,
                        layout.shardings, layout.n_params, None)
     rows = shd.batch_sharding(mesh, seed_axis=len(seeds) > 1)

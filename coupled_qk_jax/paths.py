@@ -16,12 +16,14 @@ import contextlib
 import functools
 import importlib.util
 import io
+import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from etils import epath
 
 from coupled_qk_jax.errors import UserError
@@ -118,6 +120,32 @@ def write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
 def write_text(path: str | os.PathLike[str], text: str) -> None:
     """:func:`write_bytes` of UTF-8 text."""
     write_bytes(path, text.encode("utf-8"))
+
+
+def jsonable(obj: Any) -> Any:
+    """The strict-JSON form of ``obj`` (a config dict, a summary): tuples become lists, numpy scalars Python ones,
+    NaN/inf the strings "nan"/"inf", anything else unknown its str()."""
+    def plain(x: Any) -> Any:
+        if isinstance(x, dict):
+            return {k: plain(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [plain(v) for v in x]
+        if isinstance(x, np.generic):
+            x = x.item()
+        return str(x) if isinstance(x, float) and not np.isfinite(x) else x
+
+    return json.loads(json.dumps(plain(obj), sort_keys=True, default=str))
+
+
+def write_json(path: str | os.PathLike[str], obj: Any) -> None:
+    """Human-readable JSON (:func:`jsonable`), written atomically (:func:`write_text`: readers never see half a
+    file). The one JSON file writer: a run directory's config.json, data.json, summary.json and eval results, the
+    token cache's manifest. Local path or gs:// URL; a failed write is a one-line UserError naming the file."""
+    text = json.dumps(jsonable(obj), indent=2, sort_keys=True) + "\n"
+    try:
+        write_text(path, text)
+    except io_errors(path) as e:
+        raise UserError(f"cannot write {os.fspath(path)}: {cause(e)}") from None
 
 
 def append_text(path: str, text: str) -> None:

@@ -245,6 +245,30 @@ def test_glue_fine_tuning_from_the_import_scores_and_submits(standard, tmp_path)
     assert rows == ["index\tprediction"] + [f"{i}\t{int(p)}" for i, p in enumerate(expected)]
 
 
+def test_a_stopped_glue_run_resumes_to_the_uninterrupted_params(tmp_path):
+    """A GLUE run of a byte-level model stopped at step 2 resumes from its checkpoint (data.json, which records the
+    tokenizer, is the fingerprint its checkpoints hold) and ends with the params of one uninterrupted run."""
+    from configs.glue import get_config
+    from coupled_qk_jax.training import loop
+
+    _write_sst2(tmp_path / "SST-2")
+    cfg = get_config("standard,tiny,sst2")
+    cfg.model.update({"vocab_size": 512, "max_len": 64, "d_model": 32, "n_layers": 1, "n_heads": 2, "d_ff": 64,
+                      "dtype": "float32", "scan_layers": False})
+    cfg.data.update(corpus=f"glue:sst2:{tmp_path / 'SST-2'}", seq_len=32, tokenizer="byte")
+    cfg.train.update(steps=4, batch_size=8, eval_batch_size=4, warmup_steps=1, lr=1e-3, log_every=2, eval_every=2)
+    cfg.checkpoint.update(every=2)
+    whole, whole_params = loop.train(cfg, str(tmp_path / "whole"), progress=False, return_state=True)
+    cfg.train.stop_after = 2
+    assert loop.train(cfg, str(tmp_path / "run"), progress=False)["status"] == "stopped"
+    cfg.train.stop_after = 0
+    resumed, resumed_params = loop.train(cfg, str(tmp_path / "run"), progress=False, return_state=True)
+    assert resumed["status"] == whole["status"] == "completed" and resumed["step"] == 4
+    assert resumed["valid/accuracy"] == whole["valid/accuracy"]
+    for a, b in zip(jax.tree.leaves(whole_params), jax.tree.leaves(resumed_params)):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_glue_configs_and_their_mistakes(tmp_path):
     from coupled_qk_jax.configs.glue import get_config
     from coupled_qk_jax.data.tokenizer import ByteTokenizer

@@ -404,7 +404,7 @@ def test_token_cache_crash_before_a_rename_leaves_no_partial_entry(corpus_dir: P
     for root, extra in ((tmp_path / "fresh", {}), (tmp_path / "cache", {"rebuild": True})):
         calls.clear()
         if crash_at < len(FINAL_NAMES):
-            # the manifest goes through rundir.write_json, which names the file in a one-line UserError
+            # the manifest goes through paths.write_json, which names the file in a one-line UserError
             with pytest.raises((OSError, UserError), match="simulated crash"):
                 build_token_cache(_spec(corpus_dir), root, **kwargs, **extra)
         else:

@@ -111,12 +111,12 @@ def test_cuda_train_step_on_an_8_device_mesh_runs_its_triton_kernels_under_shard
     partition a Triton custom call, so each must sit inside a manual (shard_map) region, where every GPU attends
     over its own batch rows and heads."""
     from coupled_qk_jax import aot, sharding as shd
-    from coupled_qk_jax.training import run as run_lib
+    from coupled_qk_jax.training.layout import state_layout
 
     cfg = ModelConfig(variant=variant, vocab_size=128, max_len=T, d_model=64, n_layers=1, n_heads=4, d_ff=128,
                       coupling_hidden=16, affine_hidden=16, dtype=dtype)
     mesh = shd.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
-    layout = run_lib.state_layout(cfg, TRAIN, [0], mesh)
+    layout = state_layout(cfg, TRAIN, [0], mesh)
     step = steps.make_train_step(layout.graphdef, layout.tx)
     jitted = shd.jit_sharded(lambda state, batch: step(state, batch, jax.random.key(0)), mesh, layout.shardings,
                              donate=True)

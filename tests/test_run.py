@@ -30,7 +30,8 @@ from coupled_qk_jax.export import export_run, load_exported, write_export
 from coupled_qk_jax.model import TransformerLM
 from coupled_qk_jax.training import loop, rundir
 from coupled_qk_jax.training.checkpoint import Checkpointer
-from coupled_qk_jax.training.run import Run, parse_mesh
+from coupled_qk_jax.training.layout import parse_mesh
+from coupled_qk_jax.training.run import Run
 from test_training import leaves_with_names, tiny_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -46,13 +46,13 @@ def aot_command(argv: list[str]) -> None:
     """Compile the config's steps for the topology, print the report (and write --json); a step that does not fit
     the chip's memory is a UserError."""
     from coupled_qk_jax import aot
-    from coupled_qk_jax.training import run as run_lib
+    from coupled_qk_jax.training import layout
 
     if len(argv) > 1:
         cli.fail(f"unexpected arguments: {' '.join(argv[1:])}")
     cfg = FLAGS.config
     if FLAGS.mesh:
-        sizes = run_lib.parse_mesh(FLAGS.mesh)
+        sizes = layout.parse_mesh(FLAGS.mesh)
         with cfg.unlocked():
             for axis, size in sizes.items():
                 cfg.mesh[axis] = size

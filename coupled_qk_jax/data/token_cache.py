@@ -42,7 +42,7 @@ from coupled_qk_jax.data.corpora import (
     SPLITS, CorpusError, CorpusSpec, ReadStats, all_files, hf_local_path, iter_documents, list_files,
     source_fingerprint, split_of)
 from coupled_qk_jax.data.tokenizer import BPETokenizer, ByteTokenizer, Tokenizer, tokenizer_json_sha256
-from coupled_qk_jax.training.rundir import write_json
+from coupled_qk_jax.paths import write_json
 
 logger = logging.getLogger(__name__)
 

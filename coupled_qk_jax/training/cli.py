@@ -30,6 +30,7 @@ import sys
 from typing import Any, Callable
 
 from absl import flags
+from ml_collections.config_flags.config_flags import ConfigFileFlagParser
 
 from coupled_qk_jax.errors import UserError, did_you_mean
 
@@ -52,10 +53,14 @@ def parse_flags(argv: list[str]) -> list[str]:
 
     ``--config`` is resolved first (:func:`resolve_config_argv`: the packaged preset for a ``configs/NAME.py`` that
     is not here), then ``--config.FIELD=VALUE`` overrides are checked against the loaded config, so a typo names the
-    closest field instead of raising from inside ml_collections."""
+    closest field instead of raising from inside ml_collections; the ``--config`` flag is then handed that same
+    config, so the config file's ``get_config`` runs once per start."""
     try:
         argv = resolve_config_argv(argv)
-        check_config_overrides(argv)
+        loaded = check_config_overrides(argv)
+        flag = flags.FLAGS["config"] if "config" in flags.FLAGS else None
+        if loaded is not None and isinstance(getattr(flag, "parser", None), ConfigFileFlagParser):
+            flag.parser = _LoadedConfigParser(flag.parser, *loaded)
         return flags.FLAGS(argv)
     except UserError as e:
         fail(str(e))
@@ -150,18 +155,39 @@ def config_fields(cfg: Any, prefix: str = "") -> list[str]:
     return out
 
 
-def check_config_overrides(argv: list[str]) -> None:
+def check_config_overrides(argv: list[str]) -> tuple[str, Any] | None:
     """Load ``--config`` once up front (a bad scale or variant is a UserError from get_config) and refuse
-    ``--config.FIELD=...`` for a FIELD the config does not have, naming the closest one."""
+    ``--config.FIELD=...`` for a FIELD the config does not have, naming the closest one. Returns ``(the --config
+    value, its config)``, or None without ``--config``."""
     spec = _flag_value(argv[1:], "config")
     if spec is None:
-        return
-    known = config_fields(load_config_file(spec))
+        return None
+    config = load_config_file(spec)
+    known = config_fields(config)
     overrides = [a[len("--config."):].split("=", 1)[0] for a in argv[1:] if a.startswith("--config.")]
     for name in overrides:
         if name not in known:
             raise UserError(f"unknown config field --config.{name}{did_you_mean(name, known)}; --print_config "
                             f"lists every field with its default")
+    return spec, config
+
+
+class _LoadedConfigParser(ConfigFileFlagParser):
+    """The ``--config`` flag's parser, handed the config that :func:`check_config_overrides` loaded from ``spec``:
+    that value parses to it (locked as the flag's own parser would lock it) instead of running get_config again.
+    Any other value, or a second parse, loads the file as ml_collections does."""
+
+    def __init__(self, parser: ConfigFileFlagParser, spec: str, config: Any) -> None:
+        super().__init__(parser.name, lock_config=getattr(parser, "_lock_config", True))
+        self.spec, self.config = spec, config
+
+    def parse(self, path: str) -> Any:
+        config, self.config = self.config, None
+        if path != self.spec or config is None:
+            return super().parse(path)
+        if self._lock_config and callable(getattr(config, "lock", None)):
+            config.lock()
+        return config
 
 
 def config_json(cfg: Any) -> str:

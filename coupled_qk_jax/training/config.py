@@ -334,7 +334,7 @@ BLOCKS = {"data": DataConfig, "train": TrainConfig, "checkpoint": CheckpointConf
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
     """Every block of a run's config, typed and checked against each other (no device is needed for any check
-    here; the mesh-dependent ones are loop.validate's)."""
+    here; the mesh-dependent ones are layout.validate_on_mesh's)."""
 
     task: str = "lm"
     scale: str = ""  # configs/lm.py's scale name, reported in summary.json

@@ -6,11 +6,11 @@ step depends on process history. The dropout key of step s is ``fold_in(fold_in(
 is the grain iterator's checkpointed position, and the learning rate is a function of the step in the optimiser
 state, so 2N steps in one go and N steps + resume + N steps give bitwise identical params and losses.
 
-What is trained and how it is scored is the task plug-in (``training/tasks.py``, ``cfg.task``: language modelling or
-MQAR): a data source and an evaluator. Seeds are an axis of the loop: with ``train.num_seeds = S > 1`` the train
-state has a leading seed axis holding seeds ``train.seed, ..., train.seed + S - 1``, each initialised, fed and keyed
-exactly as the single run with that seed, and the step is ``jax.vmap``-ed over it (one compiled program, one
-checkpoint holding every seed). The seed axis is replicated over the mesh; each seed's batch and params are split
+What is trained and how it is scored is the task plug-in (``training/tasks.py``, ``cfg.task``: language modelling,
+MQAR or GLUE): a data source and an evaluator, asked (never named) wherever tasks differ. Seeds are an axis of the
+loop: with ``train.num_seeds = S > 1`` the train state has a leading seed axis holding seeds ``train.seed, ...,
+train.seed + S - 1``, each initialised, fed and keyed exactly as the single run with that seed, and the step is
+``jax.vmap``-ed over it (one compiled program, one checkpoint holding every seed). The seed axis is replicated over the mesh; each seed's batch and params are split
 over the mesh exactly as a single run's (docs/experiments.md). A single run (S = 1) has no seed axis.
 
 The config is checked once, at :func:`train` / :func:`setup`: the ConfigDict becomes a typed ``RunConfig``
@@ -23,8 +23,8 @@ fingerprint, the tokenizer and the held-out splits in it; every later start chec
 them before anything is tokenised or trained, and evaluation needs nothing but the run directory.
 
 Public entry point: :func:`train` (used by train.py, the main job and the sweeps). Saved runs are read (evaluated,
-sampled, exported, diagnosed) through training/run.py's :class:`Run`, which shares :func:`run.state_layout` with
-:func:`setup`.
+sampled, exported, diagnosed) through training/run.py's :class:`Run`; both build the mesh, the optimiser and the
+state's shapes with training/layout.py, once per start.
 """
 
 from __future__ import annotations
@@ -46,7 +46,6 @@ import numpy as np
 from coupled_qk_jax import paths
 from coupled_qk_jax import sharding as shd
 from coupled_qk_jax.config import ModelConfig
-from coupled_qk_jax.data.pipeline import train_stream_spec
 from coupled_qk_jax.data.prepared import open_tokens
 from coupled_qk_jax.data.token_cache import (
     TokenCache, data_fingerprint, find_token_cache, shared_token_cache, source_contents, tokenizer_sha256)
@@ -56,23 +55,18 @@ from coupled_qk_jax.model import TransformerLM
 from coupled_qk_jax.training import observe
 from coupled_qk_jax.training import optimizer as opt_lib
 from coupled_qk_jax.training import loop_parts, rundir, tasks
-from coupled_qk_jax.training import run as run_lib
 from coupled_qk_jax.training.checkpoint import Checkpointer, abstract_target
 from coupled_qk_jax.training.config import RunConfig
 from coupled_qk_jax.training.early_stop import EarlyStop
+from coupled_qk_jax.training.layout import make_mesh, state_layout
 from coupled_qk_jax.training.loop_parts import (
     Cadence, LossWindow, SavePolicy, ThroughputMeter, first_nonfinite)
 from coupled_qk_jax.training.steps import init_train_state, make_train_step, split_model
-from coupled_qk_jax.reporting import mean_std
-from coupled_qk_jax.training.writers import MetricsWriter, read_metrics
+from coupled_qk_jax.training.writers import MetricsWriter, per_seed, read_metrics, summary_metrics
 
 # Set by the SIGINT/SIGTERM handler (to the signal's number); the loop checks it at every step boundary, saves,
 # writes the summary and returns with status "interrupted".
 _STOP_SIGNAL: list[int] = []
-
-
-# The loss each task's periodic evaluation reports: what checkpoint.keep_best=validation_loss ranks by.
-LOSS_METRIC = {"lm": "val_loss", "mqar": "valid/loss", "glue": "valid/loss"}
 
 
 def stop_signal() -> int | None:
@@ -115,16 +109,6 @@ def model_config(cfg: ml_collections.ConfigDict) -> ModelConfig:
         return ModelConfig.from_dict(cfg.model.to_dict())
     except ValueError as e:  # raised only by ModelConfig's own field checks
         raise UserError(str(e)) from None
-
-
-def validate(run: RunConfig, mesh_batch_devices: int) -> None:
-    """The checks that need the processes and the mesh (RunConfig checked everything else); one-line UserErrors."""
-    b, accum = run.train.batch_size, run.train.grad_accum
-    if (b // accum) % mesh_batch_devices:
-        raise UserError(f"the micro-batch train.batch_size/train.grad_accum={b // accum} is not divisible by the "
-                        f"{mesh_batch_devices} data-parallel devices (mesh.data * mesh.fsdp); change the batch "
-                        f"size or --config.mesh.data")
-    EarlyStop.from_config(run.train.early_stop, 1, tasks.METRIC_NAMES[run.task])  # the metric is this task's
 
 
 def load_data(run: RunConfig, *, run_tokenizer: str | None = None, tokenizer_sha: str | None = None) -> TokenCache:
@@ -185,14 +169,13 @@ def prepare_data(run: RunConfig, config_json: dict[str, Any], workdir: str,
         for note in rundir.upgrade_config(saved_cfg)[1]:
             print(f"note: {note}", file=sys.stderr, flush=True)
     saved = rundir.read_json(os.path.join(workdir, rundir.DATA))
-    if run.task != "lm":  # generated data (MQAR) or GLUE's files: named by the config, which is checked above
+    task = tasks.task_class(run.task)
+    if not task.uses_corpus:  # generated data (MQAR) or GLUE's files: named by the config, which is checked above
+        if saved is not None:  # what the first start recorded, and what its checkpoints hold
+            return None, saved, changes
         fingerprint = {"task": run.task}
-        if saved is None and jax.process_index() == 0:
-            if run.task == "glue":  # the tokenizer goes with the run, so that it evaluates wherever it is moved
-                tokenizer = tasks.sentence_tokenizer(run)
-                if tokenizer.kind == "bpe":
-                    tokenizer.save(os.path.join(workdir, rundir.TOKENIZER))
-                fingerprint["tokenizer"] = {"kind": tokenizer.kind, "vocab_size": int(tokenizer.vocab_size)}
+        if jax.process_index() == 0:
+            fingerprint.update(task.record_data(run, workdir))
             rundir.write_json(os.path.join(workdir, rundir.DATA), fingerprint)
         return None, fingerprint, changes
     spec = run.data.corpus_spec()
@@ -215,8 +198,8 @@ class Setup:
 
     config: RunConfig
     mesh: jax.sharding.Mesh
-    cache: Any  # an LM task's TokenCache (training) or the run directory's rundir.RunData (evaluation); None for MQAR
-    task: Any  # tasks.LMTask | tasks.MQARTask: the data source and the evaluator
+    cache: Any  # a corpus task's TokenCache (training) or the run directory's rundir.RunData (evaluation), else None
+    task: tasks.Task  # the data source and the evaluator
     seeds: list[int]  # one per replica; a leading seed axis on every state leaf when len(seeds) > 1
     graphdef: Any
     abstract_state: dict  # ShapeDtypeStructs of {"params", "opt_state", "step"}
@@ -280,40 +263,25 @@ class Setup:
                 for k, v in tensors.items()}
 
 
-def make_mesh(run: RunConfig) -> jax.sharding.Mesh:
-    """The run's mesh, after the checks that need it (:func:`validate`); every mistake is a UserError."""
-    try:
-        shd.mesh_shape(run.mesh.sizes())  # the mesh block's own checks (sizes, -1) are the user's config mistakes
-    except ValueError as e:
-        raise UserError(str(e)) from None
-    mesh = shd.make_mesh(run.mesh.sizes())
-    validate(run, mesh.shape["data"] * mesh.shape["fsdp"])
-    return mesh
-
-
 def _checkpointer(run: RunConfig, directory: str, read_only: bool = False) -> Checkpointer:
     ck = run.checkpoint
     return Checkpointer(directory, ck.keep_last, ck.keep_every, ck.async_save, read_only=read_only,
                         keep_best=ck.keep_best)
 
 
-def setup(run: RunConfig, workdir: str, cache: Any = None, *, read_only: bool = False) -> Setup:
-    """Task, abstract model, optimiser, shardings and the checkpoint manager of ``workdir``. ``cache`` is an LM
-    run's TokenCache or RunData (default: :func:`load_data`, for benchmarks); ``read_only`` for evaluation."""
+def setup(run: RunConfig, workdir: str, cache: Any = None, *, read_only: bool = False,
+          mesh: jax.sharding.Mesh | None = None) -> Setup:
+    """Task, abstract model, optimiser, shardings and the checkpoint manager of ``workdir`` on ``mesh`` (default:
+    ``layout.make_mesh(run)``). ``cache`` is an LM run's TokenCache or RunData (default: :func:`load_data`, for
+    benchmarks); ``read_only`` for evaluation."""
     observe.enable_compilation_cache()  # before the first compile: reuse the programs of earlier runs
-    mesh, mcfg = make_mesh(run), run.model
-    batch_devices = mesh.shape["data"] * mesh.shape["fsdp"]
-    if run.task == "lm":
-        cache = cache if cache is not None else load_data(run)
-        task = tasks.LMTask(run, cache)
-    elif run.task == "glue":
-        task = tasks.GlueTask(run, batch_devices, tasks.sentence_tokenizer(run, workdir))
-    else:
-        task = tasks.MQARTask(run, batch_devices)
-    task.validate(batch_devices)
+    mesh, mcfg = mesh if mesh is not None else make_mesh(run), run.model
+    if cache is None and tasks.task_class(run.task).uses_corpus:
+        cache = load_data(run)
+    task = tasks.make_task(run, mesh.shape["data"] * mesh.shape["fsdp"], workdir, cache)
     seeds = run.train.seeds
     # Shapes only: the abstract model carries the logical-axis metadata that the shardings are read from.
-    layout = run_lib.state_layout(mcfg, run.train, seeds, mesh)
+    layout = state_layout(mcfg, run.train, seeds, mesh)
     checkpointer = _checkpointer(run, os.path.join(workdir, "checkpoints"), read_only)
     return Setup(run, mesh, cache, task, seeds, layout.graphdef, layout.abstract_state, layout.tx, layout.shardings,
                  layout.n_params, checkpointer)
@@ -386,12 +354,7 @@ def stream_spec(s: Setup) -> dict[str, Any]:
     """What fixes the run's sequence of global training batches besides the step, saved with every checkpoint: a
     resume into a stream with another spec is refused (the step would index other batches). It says nothing of the
     hosts: which rows a host reads follows from the mesh, so a run resumes on any number of them."""
-    batch_size, seq_len = s.config.train.batch_size, s.config.data.seq_len
-    if s.task.name == "lm":
-        spec = train_stream_spec(s.cache.tokens("train"), seq_len, batch_size, s.seeds[0], bos_id=s.cache.eot_id)
-    else:
-        spec = {"batches_per_epoch": len(s.task.train), "batch_size": batch_size}
-    return {"task": s.task.name, **spec, "seed": list(s.seeds)}
+    return {"task": s.task.name, **s.task.stream_spec(s.seeds[0]), "seed": list(s.seeds)}
 
 
 def upgrade_stream_spec(spec: dict[str, Any]) -> dict[str, Any]:
@@ -405,28 +368,6 @@ def upgrade_stream_spec(spec: dict[str, Any]) -> dict[str, Any]:
         return out
     out = {k: v for k, v in out.items() if k not in ("process_index", "process_count", "batch_size_per_host")}
     return {**out, "batch_size": int(spec["batch_size_per_host"])}
-
-
-def per_seed(metrics: dict[str, Any], num_seeds: int) -> dict[str, Any]:
-    """Per-seed arrays [S] -> the metrics.jsonl / summary form: ``name`` = the mean over seeds (the value itself for
-    a single run) and, with several seeds, ``name/seeds`` = the list in seed order. Other values pass through."""
-    arrays = {k: v.reshape(-1) for k, v in metrics.items() if isinstance(v, np.ndarray)}
-    # One reduction over a [K, S] table instead of K calls of np.mean: a 350m log line has ~460 per-seed values
-    # (a Δt per layer and head), and K small reductions took ~10 ms of host time while the devices waited.
-    means: dict[str, float] = {}
-    for size in {v.size for v in arrays.values()}:
-        names = [k for k, v in arrays.items() if v.size == size]
-        table = np.stack([arrays[k] for k in names])
-        means.update(zip(names, table.mean(axis=1).tolist()))
-    out: dict[str, Any] = {}
-    for k, v in metrics.items():
-        if k in arrays:
-            out[k] = means[k]
-            if num_seeds > 1:
-                out[f"{k}/seeds"] = arrays[k].tolist()
-        else:
-            out[k] = v
-    return out
 
 
 def _summary_base(s: Setup, workdir: str) -> dict[str, Any]:
@@ -511,12 +452,12 @@ def _start(run: RunConfig, config_json: dict[str, Any], workdir: str,
     """Check the run directory, set up, and restore (or initialise): ``(setup, data iterator, state, checkpoint
     meta, checkpoint extras, allowed config changes)``; the extras are what every save stores beside the state."""
     main = jax.process_index() == 0
-    make_mesh(run)  # mesh mistakes before the corpus is read
+    mesh = make_mesh(run)  # mesh mistakes before the corpus is read
     cache, fingerprint, changes = prepare_data(run, config_json, workdir, allow_change)
-    s = setup(run, workdir, cache)
-    if s.task.name == "lm" and main and s.task.summary()["skipped_non_utf8"]:
-        print(f"warning: skipped {s.task.summary()['skipped_non_utf8']} non-UTF-8 file(s) in {run.data.corpus} "
-              f"(see the token cache manifest)", flush=True)
+    s = setup(run, workdir, cache, mesh=mesh)
+    if main:
+        for warning in s.task.warnings():
+            print(f"warning: {warning}", flush=True)
     try:
         # State: restored (arrays land directly in their shardings) or fresh; then this host's rows of the
         # seeded stream of global batches, from the state's step.
@@ -549,7 +490,9 @@ def _extend_schedule(s: Setup, workdir: str, changes: dict[str, Any]) -> dict[st
         return None
     train = s.config.train
     s.lr_extensions = tuple(extensions)
-    s.tx = run_lib.state_layout(s.mcfg, train, s.seeds, s.mesh, s.lr_extensions).tx
+    # The optimiser reads only the params' paths (groups, decay mask), so the seed axis of the abstract state does
+    # not matter, and its state's structure does not depend on the schedule: only the step function changes.
+    s.tx = opt_lib.make_optimizer(s.abstract_state["params"], train, s.lr_extensions)
     if not extending:
         return None
     old_steps = extensions[-1][1]
@@ -645,7 +588,7 @@ def _summary(s: Setup, workdir: str, status: str, step: int, train_loss: np.ndar
     return {**_summary_base(s, workdir), "status": status, **interrupted, "step": step,
             "tokens_seen": step * tokens_per_step,
             **summary_metrics({"train_loss": np.asarray(train_loss, np.float64)}, n_seeds),
-            **({"val_loss": None, "val_ppl": None, "val_tokens": None} if s.task.name == "lm" else {}),
+            **dict.fromkeys(s.task.summary_placeholders),
             **summary_metrics(val, n_seeds), "checkpoint_step": last_saved,
             **({"early_stop": early.summary()} if early is not None else {}),
             "wall_seconds": round(time.time() - t_start, 3),
@@ -678,7 +621,7 @@ def _train_locked(run: RunConfig, config_json: dict[str, Any], workdir: str, pro
     stop_at = train.stop_at
     # train.early_stop: judged on the logged evaluations, so a resumed run first replays them (and a run that had
     # already stopped early trains no further).
-    early = EarlyStop.from_config(train.early_stop, n_seeds, tasks.METRIC_NAMES[s.task.name])
+    early = EarlyStop.from_config(train.early_stop, n_seeds, s.task.metric_names)
     if early is not None and early.replay(read_metrics(workdir), step):
         stop_at = step
     status = "completed" if stop_at == train.steps or (early is not None and early.done) else "stopped"
@@ -732,7 +675,7 @@ def _train_locked(run: RunConfig, config_json: dict[str, Any], workdir: str, pro
             if save_now:
                 # The open loss window travels with the checkpoint: a resumed run logs an uninterrupted one's losses.
                 # A step evaluated just now is ranked by its validation loss (checkpoint.keep_best; mean over seeds).
-                ranked = ({"validation_loss": float(np.mean(val[LOSS_METRIC[s.task.name]]))} if val_at == step
+                ranked = ({"validation_loss": float(np.mean(val[s.task.loss_metric]))} if val_at == step
                           else None)
                 writer.flush()  # the metrics up to this step are as durable as the checkpoint
                 s.checkpointer.save(step, state, {**extras, "train_window": window.meta()}, ranked)
@@ -765,16 +708,6 @@ def _train_locked(run: RunConfig, config_json: dict[str, Any], workdir: str, pro
         rundir.record_history(workdir, "end", status=status, step=step, checkpoint_step=last_saved,
                               **({"signal": summary["signal"]} if "signal" in summary else {}))
     return (summary, host_params(state)) if return_state else summary
-
-
-def summary_metrics(metrics: dict[str, Any], num_seeds: int) -> dict[str, Any]:
-    """summary.json's form of per-seed metrics: ``name`` = the mean over seeds and, with several seeds,
-    ``name/seeds`` (the list) and ``name/std`` (sample standard deviation, ddof 1)."""
-    out = per_seed(metrics, num_seeds)
-    for k, v in metrics.items():
-        if isinstance(v, np.ndarray) and num_seeds > 1:
-            out[f"{k}/std"] = mean_std(v)[1]
-    return out
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -12,9 +12,10 @@ a checkpoint (never the optimiser's moments, twice their size with AdamW), verif
 them, onto the mesh the caller gives (default: one device), in its shardings, whatever mesh trained it: none of the
 training-only rules (a batch size divisible by the devices, the run's own mesh sizes) apply. A reader started on
 several processes (after ``distributed.initialize_distributed``) reads onto a mesh over every process's devices
-(:func:`reader_mesh`). A replica is one seed of a seed-parallel run (``train.num_seeds``); a single run has one,
+(``layout.reader_mesh``). A replica is one seed of a seed-parallel run (``train.num_seeds``); a single run has one,
 replica 0. Nothing in the run directory is written. eval.py, sample.py, export.py, the diagnostics report, the sweep reports
-and the qkov bridge all read runs through this class; training uses :func:`state_layout` for the same shapes.
+and the qkov bridge all read runs through this class; training builds the same shapes with the same
+``layout.state_layout``.
 """
 
 from __future__ import annotations
@@ -31,104 +32,19 @@ import jax
 import ml_collections
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh
 
 from coupled_qk_jax import paths
-from coupled_qk_jax import sharding as shd
 from coupled_qk_jax.config import ModelConfig
 from coupled_qk_jax.errors import UserError
 from coupled_qk_jax.model import TransformerLM
-from coupled_qk_jax.training import optimizer as opt_lib
 from coupled_qk_jax.training import rundir, tasks
 from coupled_qk_jax.training.checkpoint import Checkpointer, DamagedCheckpoint, abstract_target
-from coupled_qk_jax.training.config import RunConfig, TrainConfig
-from coupled_qk_jax.training.steps import init_train_state, split_model
+from coupled_qk_jax.training.config import RunConfig
+from coupled_qk_jax.training.layout import StateLayout, reader_mesh, state_layout
+from coupled_qk_jax.training.writers import summary_metrics
 
 CHECKPOINTS = "checkpoints"
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# The train state's shapes and shardings (shared with the training loop).
-# --------------------------------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class StateLayout:
-    """What a train state of this model looks like on a mesh. Nothing here holds device memory."""
-
-    graphdef: Any
-    abstract_state: dict  # ShapeDtypeStructs of {"params", "opt_state", "step"}; a leading seed axis when S > 1
-    shardings: dict  # NamedShardings of the train state (the seed axis replicated)
-    param_shardings: Any  # one replica's params' NamedShardings (no seed axis)
-    tx: Any
-    n_params: int  # of one replica
-
-
-def state_layout(mcfg: ModelConfig, train_cfg: TrainConfig, seeds: list[int], mesh: Mesh,
-                 lr_extensions: tuple[tuple[int, int], ...] = ()) -> StateLayout:
-    """The abstract model, optimiser and shardings of a run with ``seeds`` on ``mesh``. With several seeds every
-    leaf gets a leading seed axis [S, ...], replicated over the mesh: each seed is sharded as a single run."""
-    abstract_model = nnx.eval_shape(lambda: TransformerLM(mcfg, seeds[0]))
-    graphdef, abstract_params = split_model(abstract_model)
-    tx = opt_lib.make_optimizer(abstract_params, train_cfg, lr_extensions)
-    abstract_state = jax.eval_shape(lambda p: init_train_state(p, tx), abstract_params)
-    shardings = shd.train_state_shardings(abstract_model, tx, abstract_state, mesh)
-    param_shardings = shardings["params"]
-    if len(seeds) > 1:
-        abstract_state = jax.tree.map(lambda x: jax.ShapeDtypeStruct((len(seeds),) + x.shape, x.dtype),
-                                      abstract_state)
-        shardings = jax.tree.map(lambda sh: NamedSharding(mesh, P(None, *sh.spec)), shardings)
-    n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(abstract_params))
-    return StateLayout(graphdef, abstract_state, shardings, param_shardings, tx, n_params)
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# The reader's mesh.
-# --------------------------------------------------------------------------------------------------------------------
-
-
-def parse_mesh(text: str) -> dict[str, int]:
-    """``"data:2,fsdp:1,tensor:1"`` -> ``{"data": 2, "fsdp": 1, "tensor": 1}``; an axis not named is 1, and one
-    axis may be -1 (every device, of every process). Raises UserError naming the flag's form."""
-    sizes = dict.fromkeys(shd.MESH_AXES, 1)
-    for part in [p.strip() for p in text.split(",") if p.strip()]:
-        axis, _, value = part.partition(":")
-        axis = axis.strip()
-        try:
-            size = int(value)
-        except ValueError:
-            size = 0
-        if axis not in sizes or size == 0 or size < -1:
-            raise UserError(f"--mesh={text!r}: expected AXIS:SIZE pairs of {', '.join(shd.MESH_AXES)}, e.g. "
-                            f"--mesh=data:2,fsdp:1,tensor:1 (-1 = every device)")
-        sizes[axis] = size
-    return sizes
-
-
-def reader_mesh(mesh: str | Mapping[str, int] | Mesh | None = None) -> Mesh:
-    """The mesh a reader restores onto: the given Mesh, or a ``parse_mesh`` string or mapping over the first devices
-    of ``jax.devices()``, or (None) one device.
-
-    On several processes (a reader launched like a multi-host train.py) ``jax.devices()`` holds every process's
-    devices and the mesh must use all of them: each process runs every program of the mesh, so one without devices
-    in it would have nothing to run them on. None there means every device on the data axis."""
-    if isinstance(mesh, Mesh):
-        return mesh
-    devices = jax.devices()
-    multi = jax.process_count() > 1
-    if mesh is None and multi:
-        mesh = {**dict.fromkeys(shd.MESH_AXES, 1), "data": -1}
-    sizes = parse_mesh(mesh) if isinstance(mesh, str) else dict(mesh or dict.fromkeys(shd.MESH_AXES, 1))
-    n = len(devices) if -1 in sizes.values() else int(np.prod(list(sizes.values())))
-    where = f"the {jax.process_count()} processes have" if multi else "this process has"
-    if n > len(devices) or (multi and n != len(devices)):
-        raise UserError(f"--mesh {sizes} needs {n} devices, {where} {len(devices)}"
-                        + (" (on several processes the mesh uses every device)" if multi else ""))
-    try:
-        return shd.make_mesh(sizes, devices[:n])
-    except ValueError as e:
-        raise UserError(f"--mesh: {e}") from None
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -193,7 +109,7 @@ class Run:
         cfg = ml_collections.ConfigDict(upgraded)
         typed = RunConfig.from_configdict(cfg)
         mcfg, seeds = typed.model, typed.train.seeds
-        data = rundir.RunData(workdir) if typed.task == "lm" else None
+        data = rundir.RunData(workdir) if tasks.task_class(typed.task).uses_corpus else None
         fingerprint = data.fingerprint if data is not None else rundir.read_json(os.path.join(workdir,
                                                                                               rundir.DATA)) or {}
         mesh = reader_mesh(mesh)
@@ -274,26 +190,22 @@ class Run:
         return nnx.merge(self.layout.graphdef, self.params(step, replica))
 
     # -- evaluating --------------------------------------------------------------------------------------------
-    def task(self) -> Any:
-        """The run's task (tasks.LMTask on the run's held-out splits, or tasks.MQARTask) for this mesh. An eval
+    def task(self) -> tasks.Task:
+        """The run's task (tasks.make_task; a corpus task on the run's held-out splits) for this mesh. An eval
         batch size the mesh's data-parallel devices do not divide is rounded up to a multiple of them: every token
         (example) is still scored once, and only float32 summation order within a batch changes."""
         devices = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
         run = self.config
-        rows = run.train.eval_batch_size or (run.train.batch_size if run.task == "lm" else 0)
+        rows = tasks.task_class(run.task).eval_batch_rows(run.train)
         if rows % devices:
             run = dataclasses.replace(run, train=dataclasses.replace(
                 run.train, eval_batch_size=math.ceil(rows / devices) * devices))
-        if run.task == "lm":
-            return tasks.LMTask(run, self.data)
-        if run.task == "glue":
-            return tasks.GlueTask(run, devices, tasks.sentence_tokenizer(run, self.workdir))
-        return tasks.MQARTask(run, devices)
+        return tasks.make_task(run, devices, self.workdir, self.data)
 
     def write_glue_predictions(self, out_dir: str, step: int | None = None, replica: int = 0) -> list[str]:
         """A GLUE run's submission files (GLUE's format, one per test split) from one replica of checkpoint
         ``step`` (default: the newest intact one), written to ``out_dir`` by process 0; returns their paths."""
-        if self.config.task != "glue":
+        if not hasattr(tasks.task_class(self.config.task), "write_test_predictions"):
             raise UserError(f"{self.workdir} is a {self.config.task} run; test predictions are written for GLUE runs")
         at, _ = self.state(step)
         task = self.task()
@@ -305,8 +217,6 @@ class Run:
         """Score checkpoint ``step`` on a whole held-out split (every token once). ``replica``: one replica, or
         "all" (the seed axis evaluated in one program; ``name/seeds`` and ``name/std`` with several seeds).
         LM keys: ``loss``, ``ppl``, ``tokens``; MQAR: its metrics. Writes nothing."""
-        from coupled_qk_jax.training import loop  # noqa: PLC0415
-
         if split not in rundir.HELD_OUT_SPLITS:
             raise UserError(f"--split must be 'validation' or 'test', got {split!r}")
         t_start = time.time()
@@ -319,7 +229,7 @@ class Run:
         task = self.task()
         result = task.make_evaluator(self.layout.graphdef, shardings, self.mesh, len(seeds))(params, split=split)
         metrics = {(k[4:] if k.startswith("val_") else k): v for k, v in result.items()}
-        return {"split": split, "step": at, **loop.summary_metrics(metrics, len(seeds)), "task": task.name,
+        return {"split": split, "step": at, **summary_metrics(metrics, len(seeds)), "task": task.name,
                 "variant": self.mcfg.variant, "n_params": self.layout.n_params, "seeds": list(seeds),
                 **({} if replica == "all" else {"replica": int(replica)}),
                 "seq_len": int(self.cfg.data.seq_len),

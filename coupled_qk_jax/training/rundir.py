@@ -45,6 +45,7 @@ from coupled_qk_jax import paths
 from coupled_qk_jax.data.corpora import SPLITS, CorpusSpec
 from coupled_qk_jax.data.tokenizer import BPETokenizer, ByteTokenizer, Tokenizer
 from coupled_qk_jax.errors import UserError, did_you_mean
+from coupled_qk_jax.paths import jsonable, write_json
 from coupled_qk_jax.reporting import code_commit
 
 CONFIG, DATA, TOKENIZER, HISTORY, LOCK, HELD_OUT = (
@@ -88,32 +89,6 @@ _ABSENT = "<absent>"
 # --------------------------------------------------------------------------------------------------------------------
 # Files.
 # --------------------------------------------------------------------------------------------------------------------
-
-
-def jsonable(obj: Any) -> Any:
-    """The strict-JSON form of ``obj`` (a config dict, a summary): tuples become lists, numpy scalars Python ones,
-    NaN/inf the strings "nan"/"inf", anything else unknown its str()."""
-    def plain(x: Any) -> Any:
-        if isinstance(x, dict):
-            return {k: plain(v) for k, v in x.items()}
-        if isinstance(x, (list, tuple)):
-            return [plain(v) for v in x]
-        if isinstance(x, np.generic):
-            x = x.item()
-        return str(x) if isinstance(x, float) and not np.isfinite(x) else x
-
-    return json.loads(json.dumps(plain(obj), sort_keys=True, default=str))
-
-
-def write_json(path: str | os.PathLike[str], obj: Any) -> None:
-    """Human-readable JSON (:func:`jsonable`), written atomically (paths.write_text: readers never see half a
-    file). The one JSON file writer: a run directory's config.json, data.json, summary.json and eval results, the
-    token cache's manifest. Local path or gs:// URL."""
-    text = json.dumps(jsonable(obj), indent=2, sort_keys=True) + "\n"
-    try:
-        paths.write_text(path, text)
-    except paths.io_errors(path) as e:
-        raise UserError(f"cannot write {os.fspath(path)}: {paths.cause(e)}") from None
 
 
 def read_json(path: str | os.PathLike[str]) -> Any | None:

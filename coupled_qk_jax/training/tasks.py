@@ -1,6 +1,6 @@
-"""What a run trains on and how it is scored: the training loop's two plug-ins, chosen by the config's ``task``.
-
-A task gives the loop (``training/loop.py``) exactly two things:
+"""What a run trains on and how it is scored: the plug-in chosen by the config's ``task`` (:func:`task_class`),
+built by :func:`make_task`. The trainer (``training/loop.py``) and the reader of saved runs (``training/run.py``) ask
+the task everything that differs between tasks (:class:`Task`); neither names a task. Above all it gives the loop:
 
 * ``train_dataset(seed, rows)``: a ``grain.MapDataset`` whose element ``i`` is this host's ``rows`` of global batch
   ``i`` (``sharding.host_batch_rows``; None = every row), ``{"inputs", "targets"}`` int32 ``[len(rows), T]``
@@ -9,6 +9,10 @@ A task gives the loop (``training/loop.py``) exactly two things:
 * ``make_evaluator(graphdef, params_shardings, mesh, num_seeds)``: a function
   ``(params, split, max_batches) -> {name: value}``. Per-seed metrics are float64 arrays ``[S]`` (``S = 1`` for a
   single run); counts shared by every seed are Python ints. ``max_batches = 0`` scores the whole held-out set.
+
+and, beside them, what the run directory records of its data (``uses_corpus``, ``record_data``), what
+fixes its stream of batches (``stream_spec``), which metrics it reports (``metric_names``, ``loss_metric``,
+``summary_placeholders``) and its held-out batch size (``eval_batch_rows``).
 
 Tasks:
 
@@ -29,7 +33,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, Callable
+import os
+from typing import Any, Callable, ClassVar, Protocol
 
 import grain
 import jax
@@ -40,19 +45,56 @@ from jax.sharding import Mesh
 
 from coupled_qk_jax import sharding as shd
 from coupled_qk_jax.data import mqar
-from coupled_qk_jax.data.pipeline import train_batches
+from coupled_qk_jax.data.pipeline import train_batches, train_stream_spec
 from coupled_qk_jax.data.token_cache import TokenCache
 from coupled_qk_jax.errors import UserError
-from coupled_qk_jax.training.config import RunConfig
+from coupled_qk_jax.training import rundir
+from coupled_qk_jax.training.config import RunConfig, TrainConfig
 from coupled_qk_jax.training.evaluate import evaluate_tokens
 from coupled_qk_jax.training.steps import label_loss, make_eval_step, masked_cross_entropy
 
 Evaluator = Callable[..., dict[str, Any]]
 
 
-# The periodic evaluation's metrics per task (what train.early_stop.metric may watch).
-METRIC_NAMES = {"lm": ("val_loss", "val_ppl"), "mqar": ("valid/accuracy", "valid/loss"),
-                "glue": ("valid/main", "valid/loss")}
+class Task(Protocol):
+    """What the trainer and the reader ask of a task; :class:`LMTask`, :class:`MQARTask` and :class:`GlueTask` are
+    the tasks. The class attributes are read before a task is built (the config's checks, the run directory)."""
+
+    name: ClassVar[str]  # the config's ``task``
+    metric_names: ClassVar[tuple[str, ...]]  # the periodic evaluation's metrics (what train.early_stop may watch)
+    loss_metric: ClassVar[str]  # the evaluation's loss: what checkpoint.keep_best=validation_loss ranks by
+    summary_placeholders: ClassVar[tuple[str, ...]]  # metrics summary.json holds (None) even when none was computed
+    uses_corpus: ClassVar[bool]  # trains on data.corpus through the token cache (else: data the config names)
+
+    @classmethod
+    def create(cls, config: RunConfig, batch_devices: int, workdir: str | None, data: Any) -> Task:
+        """The task for ``batch_devices`` data-parallel devices; ``data`` is the token cache or the run directory's
+        RunData of a corpus task (None otherwise), ``workdir`` the run directory (None: not written yet)."""
+
+    @classmethod
+    def eval_batch_rows(cls, train: TrainConfig) -> int:
+        """The held-out batch's rows (0: the task derives a multiple of the data-parallel devices itself)."""
+
+    @classmethod
+    def record_data(cls, config: RunConfig, workdir: str) -> dict[str, Any]:
+        """A task without a corpus: what data.json records beside its name at the first start (process 0). A corpus
+        task's data.json is the corpus fingerprint (training/loop.py's prepare_data)."""
+
+    def validate(self, batch_devices: int) -> None: ...
+
+    def train_dataset(self, seed: int, rows: np.ndarray | None = None) -> grain.MapDataset: ...
+
+    def make_evaluator(self, graphdef: nnx.GraphDef, params_shardings: Any, mesh: Mesh,
+                       num_seeds: int) -> Evaluator: ...
+
+    def stream_spec(self, seed: int) -> dict[str, Any]:
+        """What fixes the sequence of global training batches of ``seed`` besides the step (saved with every
+        checkpoint; a resume into another one is refused)."""
+
+    def warnings(self) -> list[str]:
+        """What a first look at the data found that a user should hear about (one line each)."""
+
+    def summary(self) -> dict[str, Any]: ...
 
 
 def _jit_eval(fn: Callable, params_shardings: Any, mesh: Mesh, num_seeds: int) -> Callable:
@@ -73,9 +115,22 @@ class LMTask:
     """Next-token prediction on a token cache (``data.corpus``, ``data.tokenizer``; see docs/data.md)."""
 
     config: RunConfig
-    cache: TokenCache
+    cache: TokenCache  # or the run directory's rundir.RunData (the held-out splits only)
 
-    name = "lm"
+    name: ClassVar[str] = "lm"
+    metric_names: ClassVar[tuple[str, ...]] = ("val_loss", "val_ppl")
+    loss_metric: ClassVar[str] = "val_loss"
+    summary_placeholders: ClassVar[tuple[str, ...]] = ("val_loss", "val_ppl", "val_tokens")
+    uses_corpus: ClassVar[bool] = True
+
+    @classmethod
+    def create(cls, config: RunConfig, batch_devices: int, workdir: str | None, data: Any) -> LMTask:
+        del batch_devices, workdir  # checked in validate; the corpus is the token cache
+        return cls(config, data)
+
+    @classmethod
+    def eval_batch_rows(cls, train: TrainConfig) -> int:
+        return train.eval_batch_size or train.batch_size
 
     def __post_init__(self) -> None:
         # Found now, not after hours of training (or after the first steps, inside the pipeline).
@@ -92,7 +147,7 @@ class LMTask:
                 f"--config.data.split_fractions=..., main_job --split_fractions, sweep --split-fractions)")
 
     def eval_batch_size(self) -> int:
-        return self.config.train.eval_batch_size or self.config.train.batch_size
+        return self.eval_batch_rows(self.config.train)
 
     def validate(self, batch_devices: int) -> None:
         if self.eval_batch_size() % batch_devices:
@@ -102,6 +157,10 @@ class LMTask:
     def train_dataset(self, seed: int, rows: np.ndarray | None = None) -> grain.MapDataset:
         return train_batches(self.cache.tokens("train"), self.config.data.seq_len, self.config.train.batch_size, seed,
                              rows, bos_id=self.cache.eot_id)
+
+    def stream_spec(self, seed: int) -> dict[str, Any]:
+        return train_stream_spec(self.cache.tokens("train"), self.config.data.seq_len, self.config.train.batch_size,
+                                 seed, bos_id=self.cache.eot_id)
 
     def make_evaluator(self, graphdef: nnx.GraphDef, params_shardings: Any, mesh: Mesh,
                        num_seeds: int) -> Evaluator:
@@ -114,6 +173,12 @@ class LMTask:
             return {"val_loss": np.atleast_1d(r["loss"]), "val_ppl": np.atleast_1d(r["ppl"]), "val_tokens": r["tokens"]}
 
         return evaluate
+
+    def warnings(self) -> list[str]:
+        skipped = self.summary()["skipped_non_utf8"]
+        if not skipped:
+            return []
+        return [f"skipped {skipped} non-UTF-8 file(s) in {self.config.data.corpus} (see the token cache manifest)"]
 
     def summary(self) -> dict[str, Any]:
         skipped = sum(int(v.get("skipped_non_utf8", 0)) for v in self.cache.manifest["splits"].values())
@@ -184,7 +249,33 @@ class _EpochBatches:
         return batch
 
 
-class MQARTask:
+class _ExampleTask:
+    """What the tasks trained on examples in a seeded epoch order (:class:`MQARTask`, :class:`GlueTask`) share: data
+    the config names (no corpus, no token cache), checked when the task is built."""
+
+    summary_placeholders: ClassVar[tuple[str, ...]] = ()
+    uses_corpus: ClassVar[bool] = False
+    config: RunConfig
+    train: Any  # the training examples' batches; len() = batches per epoch
+
+    @classmethod
+    def record_data(cls, config: RunConfig, workdir: str) -> dict[str, Any]:
+        """What data.json records beside the task's name at a run's first start (process 0 only)."""
+        del config, workdir
+        return {}
+
+    def validate(self, batch_devices: int) -> None:
+        del batch_devices  # checked when the task was built
+
+    def stream_spec(self, seed: int) -> dict[str, Any]:
+        del seed  # the order is a pure function of the seed, which the loop records beside this
+        return {"batches_per_epoch": len(self.train), "batch_size": self.config.train.batch_size}
+
+    def warnings(self) -> list[str]:
+        return []
+
+
+class MQARTask(_ExampleTask):
     """Zoology's MQAR (``data.mqar``): one train segment, one validation segment and one test segment of a level.
 
     ``mqar.protocol`` ("cpu" or "zoology", ``data.mqar.PROTOCOLS``) and ``mqar.level`` fix L, N, the vocabulary and
@@ -196,7 +287,18 @@ class MQARTask:
     data-parallel devices; the extra rows are padding, which the metric skips).
     """
 
-    name = "mqar"
+    name: ClassVar[str] = "mqar"
+    metric_names: ClassVar[tuple[str, ...]] = ("valid/accuracy", "valid/loss")
+    loss_metric: ClassVar[str] = "valid/loss"
+
+    @classmethod
+    def create(cls, config: RunConfig, batch_devices: int, workdir: str | None, data: Any) -> MQARTask:
+        del workdir, data  # generated from the config alone
+        return cls(config, batch_devices)
+
+    @classmethod
+    def eval_batch_rows(cls, train: TrainConfig) -> int:
+        return train.eval_batch_size
 
     def __init__(self, config: RunConfig, batch_devices: int) -> None:
         self.config = config
@@ -237,9 +339,6 @@ class MQARTask:
                             f"devices")
         self.held_out = {split: mqar.make_batches([splits[split]], rows) for split in ("validation", "test")}
         self.valid, self.test = self.held_out["validation"], self.held_out["test"]
-
-    def validate(self, batch_devices: int) -> None:
-        del batch_devices  # checked in __init__
 
     def train_dataset(self, seed: int, rows: np.ndarray | None = None) -> grain.MapDataset:
         """Element ``i`` is this host's ``rows`` of global batch ``i``: epoch ``i // steps_per_epoch`` in the order of
@@ -349,10 +448,7 @@ def sentence_tokenizer(config: RunConfig, workdir: str | None = None) -> Any:
     start) when there is one, else ``data.tokenizer_path`` (a BPE ``tokenizer.json``), else ``train.init_from``'s
     ``tokenizer.json`` (an export folder's or a run directory's), else the byte tokenizer (``data.tokenizer =
     "byte"``)."""
-    import os  # noqa: PLC0415
-
     from coupled_qk_jax.data.tokenizer import BPETokenizer, ByteTokenizer  # noqa: PLC0415
-    from coupled_qk_jax.training import rundir  # noqa: PLC0415
 
     copy = rundir.run_tokenizer_path(workdir) if workdir else None
     source = config.train.init_from and os.path.join(config.train.init_from, rundir.TOKENIZER)
@@ -368,7 +464,7 @@ def sentence_tokenizer(config: RunConfig, workdir: str | None = None) -> Any:
     return ByteTokenizer()
 
 
-class GlueTask:
+class GlueTask(_ExampleTask):
     """A GLUE task (``data.corpus = "glue:TASK[:DIR]"``, ``data.glue``): training on its train split through the
     classification head, the task's official metrics on its validation split(s).
 
@@ -377,7 +473,26 @@ class GlueTask:
     ``valid/<its suffix>/<metric>``. Held-out batches hold ``train.eval_batch_size`` rows (0: ``train.batch_size``).
     """
 
-    name = "glue"
+    name: ClassVar[str] = "glue"
+    metric_names: ClassVar[tuple[str, ...]] = ("valid/main", "valid/loss")
+    loss_metric: ClassVar[str] = "valid/loss"
+
+    @classmethod
+    def create(cls, config: RunConfig, batch_devices: int, workdir: str | None, data: Any) -> GlueTask:
+        del data  # GLUE's own files, which data.corpus names
+        return cls(config, batch_devices, sentence_tokenizer(config, workdir))
+
+    @classmethod
+    def eval_batch_rows(cls, train: TrainConfig) -> int:
+        return train.eval_batch_size or train.batch_size
+
+    @classmethod
+    def record_data(cls, config: RunConfig, workdir: str) -> dict[str, Any]:
+        """The tokenizer: a BPE is copied into the run directory, so that the run evaluates wherever it is moved."""
+        tokenizer = sentence_tokenizer(config)
+        if tokenizer.kind == "bpe":
+            tokenizer.save(os.path.join(workdir, rundir.TOKENIZER))
+        return {"tokenizer": {"kind": tokenizer.kind, "vocab_size": int(tokenizer.vocab_size)}}
 
     def __init__(self, config: RunConfig, batch_devices: int, tokenizer: Any) -> None:
         from coupled_qk_jax.data import glue  # noqa: PLC0415 - only sentence tasks read GLUE
@@ -388,7 +503,7 @@ class GlueTask:
         if config.model.num_labels != self.task.num_labels:
             raise UserError(f"model.num_labels={config.model.num_labels}, but GLUE {self.task.name} needs "
                             f"{self.task.num_labels} (set --config.model.num_labels={self.task.num_labels})")
-        self.eval_rows = config.train.eval_batch_size or config.train.batch_size
+        self.eval_rows = self.eval_batch_rows(config.train)
         if self.eval_rows % batch_devices:
             raise UserError(f"the eval batch size {self.eval_rows} is not divisible by the {batch_devices} "
                             f"data-parallel devices; set train.eval_batch_size")
@@ -405,9 +520,6 @@ class GlueTask:
             examples = self.glue.load_examples(self.source, split)
             self._encoded[split] = self.glue.encode(examples, self.tokenizer, self.config.data.seq_len)
         return self._encoded[split]
-
-    def validate(self, batch_devices: int) -> None:
-        del batch_devices  # checked in __init__
 
     def train_dataset(self, seed: int, rows: np.ndarray | None = None) -> grain.MapDataset:
         return grain.MapDataset.range(len(self.train)).repeat().map_with_index(self.train.shuffled(seed)).map(
@@ -477,3 +589,23 @@ class GlueTask:
     def summary(self) -> dict[str, Any]:
         return {"glue_task": self.task.name, "source": str(self.source), "num_train": self.train.n,
                 "steps_per_epoch": len(self.train)}
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The tasks by the config's name.
+# --------------------------------------------------------------------------------------------------------------------
+
+
+TASKS: dict[str, type[Task]] = {task.name: task for task in (LMTask, MQARTask, GlueTask)}
+
+
+def task_class(name: str) -> type[Task]:
+    """The task of the config's ``task`` (RunConfig checked the name)."""
+    return TASKS[name]
+
+
+def make_task(config: RunConfig, batch_devices: int, workdir: str | None, data: Any = None) -> Task:
+    """``config.task``'s task for ``batch_devices`` data-parallel devices (:meth:`Task.create`), checked against them."""
+    task = task_class(config.task).create(config, batch_devices, workdir, data)
+    task.validate(batch_devices)
+    return task

@@ -1,5 +1,6 @@
 """Run outputs: metrics.jsonl and TensorBoard event files (tensorboardX). Only process 0 writes. (summary.json and
-every other JSON file: rundir.write_json.)
+every other JSON file: paths.write_json.) The per-seed form of metrics that metrics.jsonl, summary.json and a saved
+run's evaluation share: :func:`per_seed`, :func:`summary_metrics`.
 
 A gs:// workdir works as a local one: metrics.jsonl is rewritten whole at each log line (Cloud Storage objects
 cannot be appended to; see paths.append_text), and the TensorBoard event file is uploaded whole at each of
@@ -16,9 +17,11 @@ import time
 from typing import Any
 
 import jax
+import numpy as np
 
 from coupled_qk_jax import paths
 from coupled_qk_jax.errors import UserError
+from coupled_qk_jax.reporting import mean_std
 
 
 def _jsonable(value: Any) -> Any:
@@ -28,6 +31,38 @@ def _jsonable(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
     return value
+
+
+def per_seed(metrics: dict[str, Any], num_seeds: int) -> dict[str, Any]:
+    """Per-seed arrays [S] -> the metrics.jsonl / summary form: ``name`` = the mean over seeds (the value itself for
+    a single run) and, with several seeds, ``name/seeds`` = the list in seed order. Other values pass through."""
+    arrays = {k: v.reshape(-1) for k, v in metrics.items() if isinstance(v, np.ndarray)}
+    # One reduction over a [K, S] table instead of K calls of np.mean: a 350m log line has ~460 per-seed values
+    # (a Δt per layer and head), and K small reductions took ~10 ms of host time while the devices waited.
+    means: dict[str, float] = {}
+    for size in {v.size for v in arrays.values()}:
+        names = [k for k, v in arrays.items() if v.size == size]
+        table = np.stack([arrays[k] for k in names])
+        means.update(zip(names, table.mean(axis=1).tolist()))
+    out: dict[str, Any] = {}
+    for k, v in metrics.items():
+        if k in arrays:
+            out[k] = means[k]
+            if num_seeds > 1:
+                out[f"{k}/seeds"] = arrays[k].tolist()
+        else:
+            out[k] = v
+    return out
+
+
+def summary_metrics(metrics: dict[str, Any], num_seeds: int) -> dict[str, Any]:
+    """summary.json's form of per-seed metrics: ``name`` = the mean over seeds and, with several seeds,
+    ``name/seeds`` (the list) and ``name/std`` (sample standard deviation, ddof 1)."""
+    out = per_seed(metrics, num_seeds)
+    for k, v in metrics.items():
+        if isinstance(v, np.ndarray) and num_seeds > 1:
+            out[f"{k}/std"] = mean_std(v)[1]
+    return out
 
 
 def read_metrics(workdir: str) -> list[dict[str, Any]]:
