@@ -25,7 +25,7 @@ import logging as std_logging
 import math
 import os
 import time
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import jax
 import ml_collections
@@ -36,9 +36,9 @@ from jax.sharding import PartitionSpec as P
 
 from coupled_qk_jax import paths
 from coupled_qk_jax import sharding as shd
-from coupled_qk_jax.config import ModelConfig
+from coupled_qk_jax.config import ModelConfig, RuntimeConfig
 from coupled_qk_jax.errors import UserError
-from coupled_qk_jax.model import TransformerLM
+from coupled_qk_jax.model import TransformerLM, to_scanned, to_unscanned
 from coupled_qk_jax.training import optimizer as opt_lib
 from coupled_qk_jax.training import rundir, tasks
 from coupled_qk_jax.training.checkpoint import Checkpointer, DamagedCheckpoint, abstract_target
@@ -66,10 +66,12 @@ class StateLayout:
 
 
 def state_layout(mcfg: ModelConfig, train_cfg: TrainConfig, seeds: list[int], mesh: Mesh,
-                 lr_extensions: tuple[tuple[int, int], ...] = ()) -> StateLayout:
-    """The abstract model, optimiser and shardings of a run with ``seeds`` on ``mesh``. With several seeds every
-    leaf gets a leading seed axis [S, ...], replicated over the mesh: each seed is sharded as a single run."""
-    abstract_model = nnx.eval_shape(lambda: TransformerLM(mcfg, seeds[0]))
+                 lr_extensions: tuple[tuple[int, int], ...] = (), *,
+                 runtime: RuntimeConfig = RuntimeConfig()) -> StateLayout:
+    """The abstract model, optimiser and shardings of a run with ``seeds`` on ``mesh``, its layers laid out as
+    ``runtime`` says. With several seeds every leaf gets a leading seed axis [S, ...], replicated over the mesh: each
+    seed is sharded as a single run."""
+    abstract_model = nnx.eval_shape(lambda: TransformerLM(mcfg, seeds[0], runtime))
     graphdef, abstract_params = split_model(abstract_model)
     tx = opt_lib.make_optimizer(abstract_params, train_cfg, lr_extensions)
     abstract_state = jax.eval_shape(lambda p: init_train_state(p, tx), abstract_params)
@@ -81,6 +83,34 @@ def state_layout(mcfg: ModelConfig, train_cfg: TrainConfig, seeds: list[int], me
         shardings = jax.tree.map(lambda sh: NamedSharding(mesh, P(None, *sh.spec)), shardings)
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(abstract_params))
     return StateLayout(graphdef, abstract_state, shardings, param_shardings, tx, n_params)
+
+
+def restore_target(abstract_state: dict, shardings: dict, mcfg: ModelConfig, runtime: RuntimeConfig,
+                   train_cfg: TrainConfig, seeds: list[int], mesh: Mesh,
+                   entries: tuple[str, ...] = ("params", "opt_state", "step"),
+                   ) -> Callable[[dict[str, Any]], tuple[dict, Callable[[dict], dict]]]:
+    """What Checkpointer.restore reads a checkpoint into, for a state wanted as ``abstract_state`` in ``shardings``
+    (a StateLayout's, of ``runtime``), as a function of the checkpoint's meta record: its config says which layer
+    layout it was saved in. A checkpoint of the other layout (runtime.scan_layers changed since) is read in its own
+    and converted (model.to_scanned / to_unscanned, AdamW's moments alike) into ``shardings``. ``entries``: the
+    state's top-level entries to read (a reader's ``("params",)``)."""
+    def pick(tree: dict) -> dict:
+        return {k: tree[k] for k in entries}
+
+    def target_for(meta: dict[str, Any]) -> tuple[dict, Callable[[dict], dict]]:
+        saved_runtime = rundir.upgrade_config(meta["config"])[0].get("runtime", {})
+        saved_scanned = bool(saved_runtime.get("scan_layers", False))
+        if saved_scanned == runtime.scan_layers:
+            return abstract_target(pick(abstract_state), pick(shardings)), lambda state: state
+        saved = state_layout(mcfg, train_cfg, seeds, mesh,
+                             runtime=dataclasses.replace(runtime, scan_layers=saved_scanned))
+        convert = to_scanned if runtime.scan_layers else to_unscanned
+        if len(seeds) > 1:  # each seed's state is converted alone (the leading axis is the seed's, not a layer's)
+            convert = jax.vmap(convert)
+        return (abstract_target(pick(saved.abstract_state), pick(saved.shardings)),
+                jax.jit(convert, out_shardings=pick(shardings)))
+
+    return target_for
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -177,10 +207,13 @@ class Run:
 
     @classmethod
     def open(cls, workdir: str | os.PathLike[str], *, mesh: str | Mapping[str, int] | Mesh | None = None,
-             config: ml_collections.ConfigDict | None = None, report: bool = True) -> "Run":
+             config: ml_collections.ConfigDict | None = None, runtime: Mapping[str, Any] | None = None,
+             report: bool = True) -> "Run":
         """Open ``workdir`` (a train.py run directory). ``config``, when given, must agree with the run in every
-        field that changes what is evaluated (rundir.check_eval_config). With ``report`` the upgrade notes are
-        printed once, on stderr. Raises UserError (not a run directory, a removed field set to a non-default
+        field that changes what is evaluated (rundir.check_eval_config); its ``runtime`` block is how the model is
+        computed here. ``runtime``: fields of that block to use (e.g. ``{"attention_impl": "explicit"}``), over
+        both; the checkpoints are read in whichever layer layout they were saved and converted. With ``report`` the
+        upgrade and runtime notes are printed once, on stderr. Raises UserError (not a run directory, a removed field set to a non-default
         value, a damaged tokenizer or split)."""
         workdir = paths.resolve(workdir)  # a local path made absolute; a gs:// URL as given
         saved = rundir.run_config(workdir)
@@ -190,6 +223,11 @@ class Run:
         upgraded, notes = rundir.upgrade_config(saved)
         if config is not None:
             notes += rundir.check_eval_config(upgraded, config.to_dict(), workdir)
+            runtime = {**rundir.upgrade_config(config.to_dict())[0].get("runtime", {}), **(runtime or {})}
+        if runtime:  # how to compute the run's model here: any values, one note per change
+            wanted = {**upgraded, "runtime": {**upgraded["runtime"], **runtime}}
+            notes += rundir.runtime_notes(upgraded, wanted)
+            upgraded = wanted
         cfg = ml_collections.ConfigDict(upgraded)
         typed = RunConfig.from_configdict(cfg)
         mcfg, seeds = typed.model, typed.train.seeds
@@ -205,7 +243,7 @@ class Run:
             for note in notes:
                 print(f"note: {note}", file=sys.stderr, flush=True)
         return cls(workdir, cfg, typed, mcfg, mesh, data, fingerprint, seeds,
-                   state_layout(mcfg, typed.train, seeds, mesh), steps, notes)
+                   state_layout(mcfg, typed.train, seeds, mesh, runtime=typed.runtime), steps, notes)
 
     # -- what the run is ---------------------------------------------------------------------------------------
     @property
@@ -236,8 +274,9 @@ class Run:
         (see the module docstring). The last restore is kept."""
         if self._restored is not None and step in (self._restored[0], self._restored[1]):
             return self._restored[1], self._restored[2]
-        target = abstract_target({"params": self.layout.abstract_state["params"]},
-                                 {"params": self.layout.shardings["params"]})
+        run = self.config
+        target = restore_target(self.layout.abstract_state, self.layout.shardings, run.model, run.runtime, run.train,
+                                self.seeds, self.mesh, ("params",))
         directory = os.path.join(self.workdir, CHECKPOINTS)
         with _checkpointer(directory) as ck:
             if step is None:
