@@ -137,7 +137,7 @@ def test_removed_and_added_fields_follow_the_upgrade_table(fixture_run):
     with pytest.raises(UserError, match="coupling_lowering='vmap'"):
         rundir.resume_changes(json.loads((fixture_run / "config.json").read_text()), current, (), str(fixture_run))
     _edit_config(fixture_run, lambda cfg: cfg.update(schema_version=rundir.SCHEMA_VERSION + 1))
-    with pytest.raises(UserError, match=r"schema version 3; this code reads up to 2: the run was written by a newer"):
+    with pytest.raises(UserError, match=r"schema version 4; this code reads up to 3: the run was written by a newer"):
         Run.open(fixture_run)
 
 
