@@ -10,7 +10,7 @@ grads:     bf16 against fp32 gradients of every variant (same params and batch):
            similarity and the norm ratio; a leaf fails below cosine 0.99 or off by more than 5% in norm.
 attention: kernels.attend with impl="cudnn" against impl="explicit", bf16, forward and gradients
            (softmax and the differential mix); on a machine without cuDNN it records that and compares "xla".
-pallas:    the Pallas GPU (Triton) kernel (impl="pallas", issue 25.5) timed against cuDNN and the explicit path:
+pallas:    the Pallas GPU (Triton) kernel (impl="pallas") timed against cuDNN and the explicit path:
            forward + backward median ms and the error against the explicit path, for bf16 softmax (cuDNN's case),
            float32 softmax and the differential mix from bf16 inputs (float32 per-head outputs; cuDNN cannot).
            With --small on a CPU the kernel runs in Pallas' interpreter and cuDNN is left out.

@@ -12,7 +12,7 @@ MFU. Model FLOPs per step = 6 · params · tokens + 12 · layers · T² · d_mod
 backward). On CPU the denominator is the machine's own matmul roofline: the fp32 FLOP/s of a 2048×2048 @ 2048×2048
 `jnp.dot`, measured inside every round (so it sees the same load as the steps); on GPU/TPU pass `--peak_tflops`.
 
-Scales are configs/lm.py's (tiny, small, 60m, ...) plus the two **peer shapes** of issue 14, sized like a plain
+Scales are configs/lm.py's (tiny, small, 60m, ...) plus the two **peer shapes**, sized like a plain
 PyTorch implementation's benchmark: `tiny-peer` and `small-peer` = 4 layers, d_model 128 / 256, 4 heads, T 256,
 batch 8, vocab 8192, LayerNorm, MLP 4·d, f hidden 4·d_head (`--scales tiny-peer,small-peer`; `--batch`/`--seq` and
 variant options still override them).

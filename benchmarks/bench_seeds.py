@@ -9,14 +9,14 @@ For each S it trains, at the `tiny` scale of configs/lm.py (or --scale):
 
 and reports tokens/s over all seeds: the loop's own `tokens_per_second` (every step after the first, so compilation
 is excluded; the loop reads the loss back every step, as in any run). The sequential figure is total tokens over
-total time of the S runs. The claim under test (issue 11): a seed-parallel step of S tiny seeds is not slower per
+total time of the S runs. The claim under test: a seed-parallel step of S tiny seeds is not slower per
 token than S sequential runs, i.e. ratio = parallel / sequential >= 1.
 
 Wall-clock: run it on an otherwise idle machine (the script records the load average before and after). Outputs
 OUT.json (every figure, the config, jax version, devices, load) and OUT.md (the table).
 
-Leapfrog's drift fallback (issue 25.3). `--per-seed-fallback` adds a third side to every S > 1: the seed-parallel run
-with the fallback decided per seed, as before issue 25.3 (a batched predicate: the `lax.cond` of
+Leapfrog's drift fallback. `--per-seed-fallback` adds a third side to every S > 1: the seed-parallel run
+with the fallback decided per seed, as the code once did (a batched predicate: the `lax.cond` of
 `dynamics._leapfrog_reversible_bwd` becomes a select that runs the rebuild and the full recompute), timed in the
 same process, order-rotated with the other two. `--compiled` trains nothing: it compiles the train step of S = 1 and
 of every S and reports XLA's cost analysis, HLO op counts and temporary memory for three predicates: "shared" (the
@@ -60,7 +60,7 @@ def bench_config(args: argparse.Namespace, num_seeds: int, seed: int):
 
 
 FALLBACKS = {  # leapfrog's rebuild-trusted predicate, dynamics._rebuild_trusted, as each mode replaces it
-    # before issue 25.3: trusted per seed, a batched predicate under the seed vmap (the cond becomes a select)
+    # the old behaviour: trusted per seed, a batched predicate under the seed vmap (the cond becomes a select)
     "per_seed": lambda drift: drift <= 4.0,
     # the rebuild always trusted: XLA drops the fallback branch, leaving the work of a step where no seed drifts
     "trusted": lambda drift: np.bool_(True),

@@ -1,4 +1,4 @@
-"""A plain PyTorch (eager) peer of the library's train step, for the issue-14 throughput comparison.
+"""A plain PyTorch (eager) peer of the library's train step, for the throughput comparison at the peer shapes.
 
     python benchmarks/bench_torch_peer.py --shapes tiny-peer,small-peer \
         --variants standard,coupled_euler,coupled_leapfrog,coupled_euler:n_steps=7 --rounds 12 --out peer_torch.json

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# "Nothing slower elsewhere" (issue 27 item 4): the same bench_attention.py command on two source trees, in
+# "Nothing slower elsewhere": the same bench_attention.py command on two source trees, in
 # alternating processes (old, new, old, new, ...), each with what its user gets by default (the new tree's
 # entry-point allocator settings apply by themselves; the old tree had none). Run it on an idle machine.
 #

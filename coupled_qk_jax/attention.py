@@ -175,7 +175,7 @@ class CausalSelfAttention(nnx.Module):
             mlp = self.coupling if cfg.coupling_scope == "layer" else shared_coupling
             if mlp is None:
                 raise ValueError("model.coupling_scope='shared' needs the model's shared coupling MLP")
-            # Δt stays float32: dynamics.py forms Δt·k in float32 (issue 12).
+            # Δt stays float32: dynamics.py forms Δt·k in float32, since bf16 Δt gradients are far off.
             return dynamics.evolve_heads_batched(q, k, self.dt[...], mlp.params(q.dtype), cfg.n_steps,
                                                  DYNAMICS_METHOD[transform], unroll=self.runtime.scan_unroll,
                                                  per_head_params=cfg.per_head_params,

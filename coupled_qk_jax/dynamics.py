@@ -39,7 +39,7 @@ Backward pass (`backward=`, `runtime.dynamics_backward`):
   layer's shape, Δt = 0.1 and n <= 7 an RMS of about 0.5 units of the dtype's epsilon in float32 and in bfloat16
   (less gradient error than the dtype's own rounding), but growing exponentially with Δt·n. So the VJP also keeps
   (q_0, k_0), checks the rebuilt pair against them, and where the drift exceeds REBUILD_DRIFT_BOUND recomputes the
-  gradients from stored states instead (benchmarks/NOTES.md). Under `jax.vmap` (seed-parallel training vmaps the
+  gradients from stored states instead. Under `jax.vmap` (seed-parallel training vmaps the
   whole step over seeds) that decision is taken once for the whole batch (`_rebuild_trusted`), so the seed-parallel
   step runs one backward path, not both.
 """
@@ -81,7 +81,7 @@ def _axpy(x: Array, dt: Array | float, y: Array) -> Array:
     """x + dt·y computed in float32 (at least) and rounded once to x's dtype.
 
     Δt·y is never formed in a bf16 compute dtype, and under autodiff the gradient of dt, sum(g·y) over every element,
-    is a float32 sum (issue 12: the bf16 sum gave Δt gradients off by up to 40%)."""
+    is a float32 sum (a bf16 sum gave Δt gradients off by up to 40%)."""
     acc = _acc_dtype(x.dtype)
     return (x.astype(acc) + jnp.asarray(dt).astype(acc) * y.astype(acc)).astype(x.dtype)
 
@@ -102,7 +102,7 @@ def uncoupled_step(q: Array, k: Array, dt: Array | float, f: Force) -> tuple[Arr
     """MLP-only ablation: the same f and the same capacity, no cross terms: (q + dt*f(q), k + dt*f(k)).
 
     f(q) and f(k) stay two calls: one call on jnp.stack([q, k]) was measured 2-5x slower on CPU (the stack copies q
-    and k, and its transpose copies the gradients back out; benchmarks/NOTES.md)."""
+    and k, and its transpose copies the gradients back out)."""
     return _axpy(q, dt, f(q)), _axpy(k, dt, f(k))
 
 
@@ -136,7 +136,7 @@ def integrate(
     """Take `n_steps` steps of `method` with `jax.lax.scan` (never a Python loop).
 
     q, k: [..., d]; dt: a scalar (or anything broadcastable against q; kept in float32); n_steps: static int >= 1.
-    `unroll` is passed to `lax.scan`: unrolling a small static n lets XLA fuse across steps (see benchmarks/NOTES.md).
+    `unroll` is passed to `lax.scan`: unrolling a small static n lets XLA fuse across steps.
     `backward`: "reversible" (no per-step residuals; see the module docstring) or "autodiff" (the plain scan's).
     Both give the same gradients up to float rounding (tests/test_dynamics.py); forward-mode autodiff (jax.jvp,
     jax.jacfwd) needs "autodiff", since a custom VJP has no JVP rule.
@@ -195,7 +195,7 @@ def _leapfrog_reversible(f: Callable, n_steps: int, unroll: int | bool, q: Array
 
 
 # The rebuild is trusted while the rebuilt (q_0, k_0) are within this many units of the compute dtype's epsilon of the
-# true inputs (RMS, relative to the states' RMS). Measured (benchmarks/NOTES.md): 0.1-0.5 at Δt = 0.1, n <= 7 in
+# true inputs (RMS, relative to the states' RMS). Measured drift: 0.1-0.5 at Δt = 0.1, n <= 7 in
 # float32 and bfloat16, where the rebuild adds less gradient error than the dtype's own rounding; 13-17 at Δt = 0.5,
 # n = 7 or at n = 32, where in bfloat16 it adds several times more; and exponential growth beyond (Δt 0.5, n 32).
 REBUILD_DRIFT_BOUND = 4.0
@@ -206,7 +206,7 @@ def _rebuild_trusted(drift: Array) -> Array:
     """drift <= REBUILD_DRIFT_BOUND (False for NaN): the predicate of the backward pass's fallback `lax.cond`.
 
     Under `jax.vmap` (the seed axis of a seed-parallel step, or a vmap over heads) a batched predicate would
-    turn the cond into a select that runs the rebuild and the full recompute for every element (issue 25). The vmap
+    turn the cond into a select that runs the rebuild and the full recompute for every element. The vmap
     rule decides for the whole batch instead: the rebuild is trusted only where it is trusted for every element, so
     the predicate stays unbatched, the cond stays a cond, and one backward path runs. Both paths give autodiff's
     gradients to rounding, so falling back for all elements when one drifts changes only the cost."""
@@ -300,7 +300,7 @@ def _recompute_bwd(f, n_steps, method, unroll, residuals, cotangents):
     a time (each step's f is evaluated again inside its own VJP). The states exist only during this layer's
     backward pass. The barrier ties the recomputation to the cotangents: without it XLA may hoist the recomputation,
     which depends only on the inputs, into the forward pass and keep its states alive (as it did with jax.checkpoint:
-    the same memory as autodiff, benchmarks/NOTES.md)."""
+    the same memory as autodiff)."""
     q, k, dt, f_consts = residuals
     (q, k), (gq, gk) = jax.lax.optimization_barrier(((q, k), cotangents))
     acc = _acc_dtype(q.dtype)
@@ -387,7 +387,7 @@ def evolve_heads_batched(
     q, k: [B, T, H, d_head] (any [..., H, d_head]); dt: [H], broadcast over the head axis ([H] -> [H, 1]), so f
     runs once on the whole tensor; params: coupling-MLP params (see `coupling_mlp`), shared by all heads, or with a
     leading H axis on every leaf when `per_head_params=True` (one einsum batched over H). Returns (q_n, k_n), both
-    [..., H, d_head]. `backward`: see `integrate`. benchmarks/NOTES.md compares this lowering with a vmap over heads.
+    [..., H, d_head]. `backward`: see `integrate`. One batched f measured as fast as a vmap over heads or faster.
     """
     n_heads = _check_heads(q, k, dt, method, n_steps, backward)
     if per_head_params or q.ndim < 3:
@@ -396,7 +396,7 @@ def evolve_heads_batched(
     # A shared f acts on each d-vector alone, so the steps can run on the heads-major view [..., H, T, d] of
     # [..., T, H, d] (Δt as [H, 1, 1]): the same values, but the attention kernel reads q and k heads-major, and
     # on CPU XLA then folds both swaps into the projections instead of fusing the update into a transposing copy
-    # of every query block (issue 27, benchmarks/prof/FINDINGS.md "L1": −0.28 GFLOP and −109 MB per tiny-peer
+    # of every query block (−0.28 GFLOP and −109 MB per tiny-peer
     # step). The swaps are free where the layouts already agree.
     f = functools.partial(coupling_mlp, params)
     q, k = jnp.swapaxes(q, -2, -3), jnp.swapaxes(k, -2, -3)

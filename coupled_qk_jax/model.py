@@ -224,7 +224,7 @@ class TransformerLM(nnx.Module):
         else:
             collected = []
             # remat="none" with nothing gathered saves every residual, so a checkpoint would only add its
-            # reduce_precision markers, which XLA keeps as fusion barriers (issue 27, benchmarks/prof/FINDINGS.md "L2").
+            # reduce_precision markers, which XLA keeps as fusion barriers.
             run = _run_block_output
             if remat != "none" or shd.fsdp_gathers():
                 run = nnx.remat(_run_block_output, policy=REMAT_POLICIES[remat])
@@ -314,8 +314,8 @@ class TransformerLM(nnx.Module):
             # the backward pass reads (47 per layer at tiny: masks, exp, the GELU's and norms' pieces, the q/k/v
             # slices of every query block) is written into a stacked [L, ...] buffer by the forward loop and read
             # back by the backward loop, where the loop keeps XLA from fusing the cheap ones into their backward
-            # consumers as it does in one unrolled graph. Measured on CPU (benchmarks/NOTES.md, "Scanned layers on
-            # CPU"): 0.79-0.94x the step time of saving everything at 0.37x its memory; vs the Python loop 0.93-1.08x
+            # consumers as it does in one unrolled graph. Measured on CPU:
+            # 0.79-0.94x the step time of saving everything at 0.37x its memory; vs the Python loop 0.93-1.08x
             # under glibc malloc, 1.08-1.15x under tcmalloc (the recomputation is that floor; other policies cost more).
             remat = self.runtime.remat
             policy = REMAT_POLICIES["dots" if remat == "none" else remat]

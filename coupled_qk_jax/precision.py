@@ -7,7 +7,7 @@ and what CPU runs use) or bfloat16 (accelerators). Under bfloat16:
   in it, and the gradient of a weight comes back through the cast's transpose as float32. TPU MXUs and GPU tensor
   cores accumulate bf16 products in float32.
 - **Float32 wherever a gradient is a reduction over tokens**, because a bf16 sum of B·T terms keeps ~3 significant
-  bits (issue 12 measured the Δt gradient off by 7–230% and f's output bias by up to 31%):
+  bits (measured: the Δt gradient off by 7–230% and f's output bias by up to 31%):
   - Δt·k and every other x + Δt·y update of the dynamics (`dynamics._axpy`): Δt's gradient sums B·T·d_head products.
   - the biases (`add_bias`: the MLP's, f's, the affine nets'): a bias' gradient is its output's cotangent summed
     over every token.

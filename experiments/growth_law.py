@@ -1,6 +1,6 @@
 """Paper 2's growth law (μ_OV = O(log t), μ_QK = O(log² t)) read off committed curves: d log μ / d log log t.
 
-    python -m experiments.growth_law --out docs/results/qkov/growth_law.md
+    python -m experiments.growth_law --out results/qkov/growth_law.md
 
 If μ ∝ (log t)^p then log μ = p · log log t + const, so the slope of log μ against log log t is p: 1 for the OV
 scalar and 2 for the QK scalar under the paper's law. The slope is fitted by least squares over a window of t,
@@ -98,7 +98,7 @@ def curve_rows(runs_dir: str) -> list[dict]:
 def markdown(ode: list[dict], curves: list[dict], ode_path: str, runs_dir: str) -> str:
     pm = lambda ms: f"{ms[0]:.2f} ± {ms[1]:.2f}"  # noqa: E731
     lines = ["# Paper 2's growth law: the exponent p in μ ∝ (log t)^p", "",
-             "Produced by `python -m experiments.growth_law --out docs/results/qkov/growth_law.md` from the committed "
+             "Produced by `python -m experiments.growth_law --out results/qkov/growth_law.md` from the committed "
              f"`{ode_path}` and `{runs_dir}/*/seed*_curves.csv` (nothing trained). p = least-squares slope of log μ "
              "against log log t over a decade of t; the paper's law gives p = 1 for OV and p = 2 for QK.", "",
              "## The reduced gradient-flow ODE (ode.csv)", "",
@@ -125,8 +125,8 @@ def markdown(ode: list[dict], curves: list[dict], ode_path: str, runs_dir: str) 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--ode", default="docs/results/qkov/ode.csv")
-    p.add_argument("--runs", default="docs/results/qkov/runs")
+    p.add_argument("--ode", default="results/qkov/ode.csv")
+    p.add_argument("--runs", default="results/qkov/runs")
     p.add_argument("--out", default="", help="write the Markdown here too")
     args = p.parse_args(argv)
     text = markdown(ode_rows(args.ode), curve_rows(args.runs), args.ode, args.runs)

@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
-# MQAR to the end of learning (issue 15, item 2), the CPU protocol (configs/mqar.py), resumable; zoology's own
+# MQAR to the end of learning, the CPU protocol (configs/mqar.py), resumable; zoology's own
 # Figure-2 protocol is experiments/mqar_zoology.sh.
 #
 #   bash experiments/mqar_sweep.sh lane LEVEL VARIANT[,VARIANT...]  # lr sweep: 1 seed per (variant, lr), 64 epochs
 #   bash experiments/mqar_sweep.sh cell LEVEL VARIANT LR [FLAGS]    # one cell of a lane
-#   bash experiments/mqar_sweep.sh table LEVEL LR [VARIANTS]        # every variant (or those) at one lr: docs/results/mqar/
+#   bash experiments/mqar_sweep.sh table LEVEL LR [VARIANTS]        # every variant (or those) at one lr: results/mqar/
 #   bash experiments/mqar_sweep.sh seeds LEVEL LR [VARIANTS]        # 3 seeds of every variant (or those) at that lr
 #
 # FLAGS (cell only) go to experiments/sweep.py as they are, e.g. `--mqar-num-train 20000`; such a cell
 # belongs in its own directories, so name them: `OUT=... RUNS=... bash experiments/mqar_sweep.sh cell ...`.
 # `seeds` with VARIANTS runs only those (a variant whose best lr differs from the others' gets its own call) and
-# writes their table to its own folder, docs/results/mqar/LEVEL_lrLR_s3_VARIANT+VARIANT.
+# writes their table to its own folder, results/mqar/LEVEL_lrLR_s3_VARIANT+VARIANT.
 #
 # Every cell is an ordinary sweep cell (experiments/sweep.py): rerunning the same command skips finished cells and
 # resumes a stopped one from its last checkpoint (one per epoch). `lane` gives every (variant, lr) cell its own sweep
@@ -35,7 +35,7 @@ STOP=(--set train.early_stop.metric=valid/accuracy --set train.early_stop.patien
 # ROOT=runs/mqar_v bash experiments/mqar_sweep.sh ...: run directories under ROOT (default runs/mqar). Runs made
 # before the validation split are refused by the new code, so the split's reruns need a fresh ROOT.
 ROOT=${ROOT:-runs/mqar}
-DOCS=${DOCS:-docs/results/mqar}  # where table and seeds write; a rerun must not overwrite the old tables
+DOCS=${DOCS:-results/mqar}  # where table and seeds write; a rerun must not overwrite the old tables
 WIDTH=${WIDTH:-64}
 TAG=$LEVEL
 if [ "$WIDTH" != 64 ]; then

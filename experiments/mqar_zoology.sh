@@ -21,7 +21,7 @@
 # bound by per-step overhead (a few ms). So a 64-epoch cell costs roughly 1-5 minutes at easy, 2-10 at medium and
 # 5-25 at hard, the coupled variants about 2-3x standard's (they did 1.6-1.9x on CPU), and zoology's stop at 0.99
 # ends many cells early. The whole grid, one seed per cell: about 10-30 GPU-hours; the CPU of this project's
-# workstation does one zoology epoch in the time given in docs/results/RUNNING.md, which is why it runs here only
+# workstation does one zoology epoch in the time given in results/RUNNING.md, which is why it runs here only
 # on a GPU. Disk: every evaluated checkpoint is kept until the test split is scored, then pruned
 # (--prune-checkpoints); a width-512 checkpoint is about 76 MB per seed.
 set -euo pipefail

@@ -1,7 +1,7 @@
 """Paired comparison of two sweep cells that live in different tables (results.csv of two sweeps).
 
-    python -m experiments.paired docs/results/paper1/a_10m/results.csv:coupled_euler \
-        docs/results/paper1/c_10m/results.csv:coupled_euler_n7
+    python -m experiments.paired results/paper1/a_10m/results.csv:coupled_euler \
+        results/paper1/c_10m/results.csv:coupled_euler_n7
 
 A sweep's own table pairs every cell with standard attention in the same sweep. Cells of *different* sweeps (e.g.
 recipe c's n = 7 against recipe a's n = 1) are paired here: seed s of one cell against seed s of the other (same
@@ -14,8 +14,8 @@ Trains nothing.
 `effective_rank`, `entropy_normalized`): the per-seed model means are read from the run's JSON in the `runs/`
 folder beside the table (`runs/<cell>.json`, as the sweep's reports wrote them), e.g.
 
-    python -m experiments.paired --metric effective_rank docs/results/paper1/a_long/results.csv:standard \
-        docs/results/paper1/a_long/results.csv:coupled_euler
+    python -m experiments.paired --metric effective_rank results/paper1/a_long/results.csv:standard \
+        results/paper1/a_long/results.csv:coupled_euler
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def seed_values(ref: str, metric: str = "val_ppl") -> list[float]:
     model mean of an attention diagnostic, from ``runs/<cell>.json`` beside the table."""
     path, sep, run = ref.rpartition(":")
     if not sep or not path or not run:
-        raise UserError(f"expected RESULTS_CSV:RUN (e.g. docs/results/paper1/a_10m/results.csv:coupled_euler), "
+        raise UserError(f"expected RESULTS_CSV:RUN (e.g. results/paper1/a_10m/results.csv:coupled_euler), "
                         f"got {ref!r}")
     if not Path(path).is_file():
         raise UserError(f"{path}: no such results.csv; give the table a sweep wrote (its --out)/results.csv")

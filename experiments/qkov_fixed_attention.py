@@ -19,7 +19,7 @@ Each OV type is a job: checkpointed every ``--ckpt-every`` epochs to ``<work>/fi
 history beside it), finished into ``<out>/runs/fixed/<ov>.csv`` (rows ov, alpha, epoch, step, loss,
 loss_alpha_plus, sensitivity) and ``<ov>.json``; a restart skips finished jobs. Tables: experiments/qkov_report.py.
 
-Usage: python experiments/qkov_fixed_attention.py --out docs/results/qkov [--eval-batches 1000]
+Usage: python experiments/qkov_fixed_attention.py --out results/qkov [--eval-batches 1000]
 """
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ def run_job(ov: str, out: str, work: str, eval_batches: int, ckpt_every: int = 1
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="docs/results/qkov")
+    ap.add_argument("--out", default="results/qkov")
     ap.add_argument("--work", default="runs/qkov")
     ap.add_argument("--ov", default="factorised,collapsed", help="comma-separated: factorised, collapsed")
     ap.add_argument("--eval-batches", type=int, default=1000, help="evaluation batches of 4x32 (paper: 1000, fresh)")

@@ -1,9 +1,9 @@
-"""The bridge from the QK/OV learning-speed study to the coupled-QK language models (issue 6, part 6).
+"""The bridge from the QK/OV learning-speed study to the coupled-QK language models.
 
 Question: does faster QK learning (the second seed paper's intervention, ``train.qk_lr_mult``) sharpen attention in
 the coupled model too, and at what cost in validation perplexity?
 
-    python -m experiments.qkov_lm_bridge --out docs/results/qkov_lm --steps 90 --seeds 2
+    python -m experiments.qkov_lm_bridge --out results/qkov_lm --steps 90 --seeds 2
 
 For every (variant, qk_lr_mult) cell the runner trains all seeds as one vmapped program in a run directory of the
 training loop (``training.loop.train`` with ``train.num_seeds``, configured through ``experiments.sweep.make_config``

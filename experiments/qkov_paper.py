@@ -39,7 +39,7 @@ EXTRA = ["caco128_r2", "caco128_r3", "caco128_r4", "caco128_r10"]  # the noteboo
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="docs/results/qkov")
+    ap.add_argument("--out", default="results/qkov")
     ap.add_argument("--work", default="runs/qkov")
     ap.add_argument("--eval-batches", type=int, default=200, help="Figure-3 evaluation batches of 4x32 (fixed set)")
     args = ap.parse_args(argv)

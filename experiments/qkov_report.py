@@ -13,7 +13,7 @@ notebooks), and writes under ``<out>``:
 Cells with no finished seed are listed as queued or running, with the command that resumes them. Verdict rules are
 stated in each table's header and in :data:`RULES`.
 
-Usage: python experiments/qkov_report.py --out docs/results/qkov [--work runs/qkov]
+Usage: python experiments/qkov_report.py --out results/qkov [--work runs/qkov]
 """
 
 from __future__ import annotations
@@ -392,7 +392,7 @@ def md_table(rows: list[dict], cols: list[str]) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="docs/results/qkov")
+    ap.add_argument("--out", default="results/qkov")
     ap.add_argument("--work", default="runs/qkov")
     args = ap.parse_args(argv)
     ref_path = os.path.join(args.out, "paper_reference.json")

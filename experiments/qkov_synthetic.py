@@ -15,7 +15,7 @@ whose result file exists. Inside a job, the state is checkpointed to ``<work>/<c
 ``--ckpt-every`` epochs, so a killed job resumes from its last checkpoint. The tables are written by
 experiments/qkov_report.py.
 
-Usage:  python experiments/qkov_synthetic.py --out docs/results/qkov --cells fafo_r20 --seeds first|rest|all
+Usage:  python experiments/qkov_synthetic.py --out results/qkov --cells fafo_r20 --seeds first|rest|all
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ CELLS = {
     "faco_r1": ("faco,1", {"seeds": ROW1_SEEDS}),
     "cafo_r1": ("cafo,1", {}),
     "caco_r1": ("caco,1", {}),
-    # row 1's CACO at twice its budget (5000 x 200 steps): at 2500 epochs it had not concentrated (issue 28.4)
+    # row 1's CACO at twice its budget (5000 x 200 steps): at 2500 epochs it had not concentrated
     "caco_r1_x2": ("caco,1", {"n_epochs": 5000}),
     "fafo_eye_r1": ("fafo,20", {"qk_ratio": 1.0}),
     "fafo_r20": ("fafo,20", {}),
@@ -203,7 +203,7 @@ def run_cells(cells: list[str], which: str, out: str, work: str, ckpt_every: int
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="docs/results/qkov", help="result files go to OUT/runs/<cell>/")
+    ap.add_argument("--out", default="results/qkov", help="result files go to OUT/runs/<cell>/")
     ap.add_argument("--work", default="runs/qkov", help="in-job checkpoints (deleted when a job ends)")
     ap.add_argument("--cells", default="all", help="comma-separated cell names or 'all': " + ",".join(CELLS))
     ap.add_argument("--seeds", default="all", choices=("first", "rest", "all"))

@@ -1,6 +1,6 @@
 """Sweeps: a thin driver over the training loop. Every cell of a sweep is an ordinary run directory.
 
-    python -m experiments.sweep --recipe a --scale mini --steps 600 --seeds 3 --out docs/results/paper1/a
+    python -m experiments.sweep --recipe a --scale mini --steps 600 --seeds 3 --out results/paper1/a
     python -m experiments.sweep --recipe g --levels easy,medium,hard --epochs 32 --seeds 3 \
         --grid train.lr=1e-3,3e-3 --out OUT                              # MQAR: 3 levels x variants x 2 lrs
     python -m experiments.sweep --spec my_sweep.json --out OUT          # a list of cells from a JSON/YAML file

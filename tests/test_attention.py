@@ -133,7 +133,7 @@ def test_choose_implementation(requested, dtype, head_dim, seq, platform, expect
     ("pallas", jnp.bfloat16, 64, 256, "pallas"),
 ])
 def test_choose_implementation_on_gpu_with_a_mix(requested, dtype, head_dim, seq, expected):
-    """Issue 25.5: Differential Attention on GPU gets the fused Pallas GPU kernel instead of the explicit path."""
+    """Differential Attention on GPU gets the fused Pallas GPU kernel instead of the explicit path."""
     assert choose_implementation(requested, dtype, head_dim, seq, "gpu", mix=True) == expected
 
 
@@ -163,7 +163,7 @@ MIX_VARIANTS = [v for v in ALL_VARIANTS if v.endswith("differential")]
 
 
 def test_pallas_gpu_kernel_in_interpret_mode_matches_explicit_with_and_without_a_mix(monkeypatch):
-    """Issue 25.5: runtime.attention_impl="pallas" as on a GPU (the Pallas GPU kernel, run by Pallas' interpreter on
+    """runtime.attention_impl="pallas" as on a GPU (the Pallas GPU kernel, run by Pallas' interpreter on
     CPU): a float32 attention layer's output and its gradients (input and every parameter, off init so that the
     QK transform acts) equal the explicit path's, with a mix and for float32 softmax (standard);
     T = 32 (one block of the kernel), head dim 16. Positive control: the program holds the interpreted kernels

@@ -221,7 +221,7 @@ def test_reversible_backward_matches_float64_finite_differences(method):
 
 @pytest.mark.parametrize("method", ["euler", "leapfrog"])
 def test_dt_gradient_under_bf16_is_a_float32_sum(method):
-    """Issue 12: on the op alone (B8 T256 H4 d32, bf16 q, k and f params), Δt's gradient is within 2% of float64.
+    """On the op alone (B8 T256 H4 d32, bf16 q, k and f params), Δt's gradient is within 2% of float64.
     With Δt·k formed in bf16 this case gave [512, -217, -72, 302] for float64's [475, -223, -58, 299] (euler)."""
     b, t, h, d, hidden = 8, 256, 4, 32, 24
     rng = np.random.default_rng(0)
@@ -369,7 +369,7 @@ def _seed_parallel_grad(n_steps, backward, n_seeds=3, dts=None):
 
 
 def test_seed_parallel_leapfrog_runs_one_backward_path(monkeypatch):
-    """Issue 25.3: under vmap over 3 seeds the drift fallback stays a cond, so a step evaluates f 2n + 2 times
+    """Under vmap over 3 seeds the drift fallback stays a cond, so a step evaluates f 2n + 2 times
     (n + 1 forward, n + 1 rebuilding) or, falling back, 6n + 2 (+ 4n recomputing), never both paths at once. Positive
     control: a per-seed (batched) predicate, today's, turns the cond into a select that always pays 6n + 2."""
     n = 3

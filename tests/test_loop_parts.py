@@ -1,5 +1,5 @@
 """The training loop's pieces (training/loop_parts.py) against hand-computed values, the save clock's broadcasts
-counted over a real run (issue 25.1: at most one per log interval, not one per step), and the typed config
+counted over a real run (at most one per log interval, not one per step), and the typed config
 (training/config.py): defaults, did-you-mean errors, types, missing fields."""
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ T = 128  # a multiple of the Pallas block
 
 def triton_kernels() -> int:
     """The Pallas GPU kernels in a train step: jax's (jax <= 0.11) runs a forward, the backward's preprocessing and
-    its dQ/dK/dV (issue 25.5); tokamax's (jax 0.12 on) a forward and one backward (its preprocessing is plain XLA)."""
+    its dQ/dK/dV; tokamax's (jax 0.12 on) a forward and one backward (its preprocessing is plain XLA)."""
     return 3 if kernels.gpu.backend() == "jax" else 2
 
 
@@ -95,7 +95,7 @@ def test_train_step_exports_for_every_variant(platform):
             # the Pallas flash kernels: forward, and the backward's dK/dV and dQ
             assert mosaic >= 3 and triton == 0, (variant, mosaic, triton)
         elif variant.endswith("differential"):
-            # the Pallas GPU kernels: forward, the backward's preprocessing and its dQ/dK/dV (issue 25.5)
+            # the Pallas GPU kernels: forward, the backward's preprocessing and its dQ/dK/dV
             assert mosaic == 0 and triton >= triton_kernels(), (variant, triton)
         else:
             assert mosaic == 0 and triton == 0, (variant, triton)

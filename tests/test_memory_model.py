@@ -84,7 +84,7 @@ def test_everything_policy_matches_one_block(variant, dtype, extra):
     """One block under the Python loop's remat=none policy. Beyond the model's count the block saves the causal
     mask of each query block as a bool and the fill of `jnp.where` as fp32 (1 + 4 bytes per score element): the same
     constants in every layer, which the layer scan keeps once and XLA folds, so the model leaves them out; the test
-    adds them by hand. With nothing FSDP-gathered the loop runs its blocks without the checkpoint (issue 27): what
+    adds them by hand. With nothing FSDP-gathered the loop runs its blocks without the checkpoint: what
     plain autodiff saves then stays within 3% of this count (equal but for a few scalars, 2.4% fewer for mlp_only
     with autodiff at n = 2), so the count still describes what the loop keeps."""
     cfg = ModelConfig(variant=variant, vocab_size=64, max_len=T, d_model=64, n_layers=2, n_heads=4, d_ff=256,

@@ -234,7 +234,7 @@ def _checkpoints(jaxpr) -> int:
 
 
 def test_unscanned_blocks_are_checkpointed_only_where_something_is_dropped():
-    """Issue 27 (benchmarks/prof/FINDINGS.md, L2): remat="none" with nothing FSDP-gathered runs the Python loop's
+    """remat="none" with nothing FSDP-gathered runs the Python loop's
     blocks without jax.checkpoint, whose reduce_precision markers cost fusions on CPU. Positive controls: remat
     "full" checkpoints every block, and so does "none" under a mesh with fsdp = 2 (its gathered weights are not
     saved)."""

@@ -143,7 +143,7 @@ def test_differential_lambda_gradient_matches_float64_through_every_kernel(monke
 
 
 def test_differential_lambda_gradient_matches_float64_through_the_pallas_gpu_kernel(monkeypatch):
-    """Issue 25.5: the same λ gradient through the Pallas GPU kernel (interpret mode; head dim 16, its minimum, and
+    """The same λ gradient through the Pallas GPU kernel (interpret mode; head dim 16, its minimum, and
     T = 64, one block), from bf16 q, k, v with small scores (A1 ≈ A2): the kernel gets float32 operands and returns
     float32 per-head outputs, so it is within 5e-4 of float64, as the other fused kernels are."""
     if why := kernels.gpu.interpreted_gradient_missing():

@@ -1,4 +1,4 @@
-"""Reading saved runs (training/run.py, issue 24): one loader for every reader, replicas, any mesh, runs written by
+"""Reading saved runs (training/run.py): one loader for every reader, replicas, any mesh, runs written by
 an older version (tests/fixtures/run_v1, with that version's answers), stable export names, --step, keep_best.
 
 References: the fixture's expected values were computed by the code that wrote it (tests/fixtures/README.md); the
@@ -422,7 +422,7 @@ def test_runs_trained_on_8_devices_read_alike_on_1_and_2(tmp_path):
     """Runs trained on a (8, 1, 1) and on a (1, 4, 2) mesh are read back on one device and on two (Run, as eval.py,
     sample.py and export.py read them) with the same results: the very trained bits, eval loss to float32 summation
     order, greedy tokens and exported tensors equal; the (1, 4, 2) run also generates the same greedy tokens opened
-    on a (2, 2, 2) mesh (sample.py's path on a mesh, issue 25.4)."""
+    on a (2, 2, 2) mesh (sample.py's path on a mesh)."""
     assert jax.device_count() == 8, jax.device_count()
     for name, mesh in (("data8", dict(data=8, fsdp=1, tensor=1)), ("fsdp4_tensor2", dict(data=1, fsdp=4, tensor=2))):
         cfg = tiny_config(tmp_path, steps=2, eval_batches=1)

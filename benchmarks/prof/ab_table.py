@@ -1,12 +1,12 @@
 """A/B table at HEAD (a scratch tree with env-switched reverts, run_ab.sh) + a two-term cost model prediction.
-Usage: python benchmarks/prof/ab_table.py [DIR]  (DIR: the prof_hlo.py JSON, default benchmarks/prof/results).
+Usage: python benchmarks/prof/ab_table.py [DIR]  (DIR: the prof_hlo.py JSON, default benchmarks/results/prof).
 Model: t = FLOPs / P + bytes / W, P = 170 GFLOP/s (bench_attention's measured 2048^3 matmul roofline on this
 machine, 153-181), W fitted so that HEAD standard = 281 ms (the tiny-peer tcmalloc/tuned-malloc measurement)."""
 import json
 import os
 import sys
 
-RESULTS = sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+RESULTS = sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "results", "prof")
 P = 170e9
 def load(lab):
     return {r["variant"]: r for r in json.load(open(os.path.join(RESULTS, f"{lab}.json")))}

@@ -1,4 +1,4 @@
-"""Compile-level profile of the bench_attention train step (issue 27): no timing, only XLA's own accounting.
+"""Compile-level profile of the bench_attention train step: no timing, only XLA's own accounting.
 
     PYTHONPATH=ROOT nice -n 10 python prof_hlo.py --root ROOT --label old --out DIR [--variants a,b,...]
 

@@ -1,4 +1,5 @@
-# The A/B reverts at HEAD: ROOT is a scratch checkout with ab_scratch.patch applied, PY a python with the
+# The A/B reverts: ROOT is a scratch checkout with the PROF_NOREMAT / PROF_HM switches patched in (that scratch
+# patch was deleted from the tree; git history has it as benchmarks/prof/ab_scratch.patch), PY a python with the
 # project's requirements, OUT where the JSON goes. Usage: ROOT=... PY=... OUT=... bash benchmarks/prof/run_ab.sh
 set -eu
 HERE=$(cd "$(dirname "$0")" && pwd)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 27: time the L1+L2 levers (heads-major coupling, no block checkpoint at remat=none without fsdp) against the
+# Time the L1+L2 levers (heads-major coupling, no block checkpoint at remat=none without fsdp) against the
 # previous main in alternating processes (old, new, old, new), each side with its own checkout and python, and the
 # PyTorch peer between them. Idle machine only; every JSON records its load.
 #

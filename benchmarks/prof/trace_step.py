@@ -1,5 +1,5 @@
 """Where a compiled train step spends its time: a `jax.profiler` (perfetto) trace of bench_attention's step, with every
-XLA op's time attributed to the Python function that emitted it (issue 27.2's "profile before optimising").
+XLA op's time attributed to the Python function that emitted it (profile before optimising).
 
     python benchmarks/prof/trace_step.py --scale tiny-peer --variants standard,coupled_euler,coupled_euler:n_steps=7 \
         --steps 6 --out DIR
