@@ -34,7 +34,7 @@ d_model, a = heads, ff = d_ff; "/t" = split over the tensor axis:
     -> 24m fp32: ~221 kB per token and layer (Korthikanti et al.'s 34·d + 5·a·s bytes, which assumes one softmax
        copy, two MLP tensors and no block prefixes, gives about half of that)
 The head adds the final norm, the fp32 exponentials of the logits (optax's cross-entropy, 4V bytes per token) and,
-at the peak of the backward pass, the logits' cotangent (4V). With full remat (model.remat=full) each layer keeps
+at the peak of the backward pass, the logits' cotangent (4V). With full remat (runtime.remat=full) each layer keeps
 only its input (b·d) and one layer's residuals live while it is recomputed. `--xla` adds the rest of XLA's figure:
 the gradients (4N, sharded like the parameters) and under fsdp the gathered embedding and its full-size gradient.
 
@@ -66,7 +66,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from coupled_qk_jax import sharding as shd  # noqa: E402
-from coupled_qk_jax.config import DYNAMICS_METHOD, ModelConfig  # noqa: E402
+from coupled_qk_jax.config import DYNAMICS_METHOD, ModelConfig, RuntimeConfig  # noqa: E402
 from coupled_qk_jax.configs import lm  # noqa: E402
 from coupled_qk_jax.kernels import auto_chunks  # noqa: E402
 from coupled_qk_jax.model import TransformerLM, abstract_param_count  # noqa: E402
@@ -82,15 +82,17 @@ PEAKS = {"TPU v5e": 197e12, "H100": 989e12}
 MFU = 0.4
 
 
-def model_config(scale: str, variant: str) -> tuple[ModelConfig, int, int]:
+def model_config(scale: str, variant: str) -> tuple[ModelConfig, RuntimeConfig, int, int]:
     cfg = lm.get_config(f"{variant},{scale}")
-    return ModelConfig.from_dict(cfg.model.to_dict()), int(cfg.data.seq_len), int(cfg.train.batch_size)
+    return (ModelConfig.from_dict(cfg.model.to_dict()), RuntimeConfig.from_dict(cfg.runtime.to_dict()),
+            int(cfg.data.seq_len), int(cfg.train.batch_size))
 
 
-def sharded_state_bytes(cfg: ModelConfig, mesh_shape: tuple[int, int, int]) -> float:
+def sharded_state_bytes(cfg: ModelConfig, mesh_shape: tuple[int, int, int],
+                        runtime: RuntimeConfig = RuntimeConfig()) -> float:
     """Bytes of (params + grads + AdamW moments) on one device: 16 bytes per locally held parameter element."""
     mesh = types.SimpleNamespace(shape=dict(zip(shd.MESH_AXES, mesh_shape)))  # logical_to_spec reads only .shape
-    abstract = nnx.eval_shape(lambda: TransformerLM(cfg, 0))
+    abstract = nnx.eval_shape(lambda: TransformerLM(cfg, 0, runtime))
     total = 0
     for var in jax.tree.leaves(nnx.state(abstract, nnx.Param), is_leaf=lambda x: isinstance(x, nnx.Variable)):
         value = var.get_value()
@@ -107,24 +109,24 @@ def sharded_state_bytes(cfg: ModelConfig, mesh_shape: tuple[int, int, int]) -> f
 FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
 
-def _query_blocks(cfg: ModelConfig, seq: int) -> list[tuple[int, int]]:
+def _query_blocks(runtime: RuntimeConfig, seq: int) -> list[tuple[int, int]]:
     """The explicit kernel's causal query blocks [lo, hi) (attention._explicit_attention's bounds)."""
-    n = max(1, min(cfg.attention_chunks or auto_chunks(seq), seq))
+    n = max(1, min(runtime.attention_chunks or auto_chunks(seq), seq))
     bounds = [seq * i // n for i in range(n + 1)]
     return [(lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:]) if hi > lo]
 
 
-def saved_policy(cfg: ModelConfig) -> str:
+def saved_policy(runtime: RuntimeConfig) -> str:
     """Which residuals a layer keeps (model.py): "dots" (the weight matmuls' outputs) for remat=dots and for the
     scanned layers' remat=none (TransformerLM._scan_blocks), "everything" for the Python loop's remat=none, "input"
     for remat=full / nothing_saveable."""
-    if cfg.remat in ("full", "nothing_saveable"):
+    if runtime.remat in ("full", "nothing_saveable"):
         return "input"
-    return "dots" if cfg.remat == "dots" or cfg.scan_layers else "everything"
+    return "dots" if runtime.remat == "dots" or runtime.scan_layers else "everything"
 
 
-def layer_residuals(cfg: ModelConfig, seq: int, bytes_per: int, tensor: int = 1, kernel: str = "explicit",
-                    policy: str = "everything") -> tuple[dict[str, float], dict[str, float]]:
+def layer_residuals(cfg: ModelConfig, runtime: RuntimeConfig, seq: int, bytes_per: int, tensor: int = 1,
+                    kernel: str = "explicit", policy: str = "everything") -> tuple[dict[str, float], dict[str, float]]:
     """What one block saves for its backward pass on one device, as (bytes per sequence, bytes per layer) by name.
 
     Counted from the code (see the module docstring); RMSNorm, softmax scoring. `policy`: "everything" (every
@@ -140,7 +142,7 @@ def layer_residuals(cfg: ModelConfig, seq: int, bytes_per: int, tensor: int = 1,
     method = DYNAMICS_METHOD.get(cfg.qk_transform)
     if policy == "dots":  # x, the attention output (W_O's), and q, k, v, the MLP's first matmul, f's two matmuls
         evals = 0
-        if method is not None and cfg.dynamics_backward == "autodiff":
+        if method is not None and runtime.dynamics_backward == "autodiff":
             evals = {"euler": cfg.n_steps, "leapfrog": cfg.n_steps + 1, "uncoupled": 2 * cfg.n_steps}[method]
         split = b * t * (3 * d + ff + evals * (a * cfg.coupling_hidden + d))
         return {"block input, attention output": 2 * b * t * d, "q, k, v, MLP hidden, f": split / tensor}, {}
@@ -149,7 +151,7 @@ def layer_residuals(cfg: ModelConfig, seq: int, bytes_per: int, tensor: int = 1,
     seqs: dict[str, float] = {"norms": 2 * t * ((8 + b) * d + 8)}
     split: dict[str, float] = {}
     if kernel == "explicit":
-        blocks = _query_blocks(cfg, seq)
+        blocks = _query_blocks(runtime, seq)
         scores = a * sum((hi - lo) * hi for lo, hi in blocks)  # score elements per sequence
         prefix = sum(hi for _, hi in blocks) * d  # key (and value) prefix elements per sequence
         split["attention q blocks, K and V prefixes"] = b * (t * d + 2 * prefix)
@@ -161,7 +163,7 @@ def layer_residuals(cfg: ModelConfig, seq: int, bytes_per: int, tensor: int = 1,
         raise ValueError(f"kernel must be 'explicit' or 'fused', got {kernel!r}")
     if method is not None:
         n, ah = cfg.n_steps, a * cfg.coupling_hidden
-        if cfg.dynamics_backward == "reversible":
+        if runtime.dynamics_backward == "reversible":
             split["dynamics"] = b * t * (4 if method == "leapfrog" else 2) * d
         else:  # per step (and f evaluation) of the plain scan, verified in fp32
             per = {"euler": (2 * d, n * (4 * ah + 3 * d)), "leapfrog": (2 * d + 4 * ah, n * (4 * ah + 3 * d)),
@@ -171,7 +173,7 @@ def layer_residuals(cfg: ModelConfig, seq: int, bytes_per: int, tensor: int = 1,
     seqs.update({k: v / tensor for k, v in split.items()})
     layer = {"norm scales": 2 * 4 * d}
     if method is not None:
-        copies = 1 if cfg.dynamics_backward == "reversible" else 3 if method == "leapfrog" else 2  # Δt, Δt/2 [H, 1]
+        copies = 1 if runtime.dynamics_backward == "reversible" else 3 if method == "leapfrog" else 2  # Δt, Δt/2 [H, 1]
         layer["dt"] = 4 * a * copies
     if b != 4:  # the compute-dtype casts of the block's weights (fp32: the weights themselves, already arguments)
         weights = 4 * d * d + 2 * d * ff
@@ -181,8 +183,8 @@ def layer_residuals(cfg: ModelConfig, seq: int, bytes_per: int, tensor: int = 1,
     return seqs, layer
 
 
-def activation_bytes(cfg: ModelConfig, seq: int, sequences: float, bytes_per: int, tensor: int = 1,
-                     kernel: str = "explicit", cpu_upcast: bool = False) -> float:
+def activation_bytes(cfg: ModelConfig, runtime: RuntimeConfig, seq: int, sequences: float, bytes_per: int,
+                     tensor: int = 1, kernel: str = "explicit", cpu_upcast: bool = False) -> float:
     """Bytes of activations on one device holding `sequences` sequences at the peak (the start of the backward pass),
     for the policy model.py runs (`saved_policy`): every layer's residuals, plus the larger of the head's residuals
     with the logits' cotangent and, where the backward pass recomputes a layer ("dots", "input"), that one layer's
@@ -192,12 +194,12 @@ def activation_bytes(cfg: ModelConfig, seq: int, sequences: float, bytes_per: in
     residuals to float32 copies, hoisted out of the layer loop (`wrapped_convert` buffers of shape [L, ...] in the
     buffer assignment); each replaces its bf16 stack, so a residual's 2 bytes become 4. TPUs and GPUs compute in bf16
     and make no such copies."""
-    policy = saved_policy(cfg)
+    policy = saved_policy(runtime)
 
     def layer_bytes(b: int, pol: str) -> float:
         if pol == "input":
             return sequences * seq * b * cfg.d_model
-        per_seq, per_layer = layer_residuals(cfg, seq, b, tensor, kernel, pol)
+        per_seq, per_layer = layer_residuals(cfg, runtime, seq, b, tensor, kernel, pol)
         return sequences * sum(per_seq.values()) + sum(per_layer.values())
 
     saved = layer_bytes(bytes_per, policy)
@@ -231,13 +233,13 @@ def report(variant: str, scales: list[str], bytes_per: int, kernel: str = "fused
               "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     per_mesh = []
     for scale in scales:
-        cfg, seq, batch = model_config(scale, variant)
+        cfg, runtime, seq, batch = model_config(scale, variant)
         n = abstract_param_count(cfg)
         n_std = abstract_param_count(dataclasses.replace(cfg, variant="standard"))
         cfg = dataclasses.replace(cfg, dtype="bfloat16" if bytes_per == 2 else "float32")
-        full = dataclasses.replace(cfg, remat="full")
-        act = activation_bytes(cfg, seq, batch, bytes_per, kernel=kernel) / (batch * seq)
-        act_r = activation_bytes(full, seq, batch, bytes_per, kernel=kernel) / (batch * seq)
+        full = dataclasses.replace(runtime, remat="full")
+        act = activation_bytes(cfg, runtime, seq, batch, bytes_per, kernel=kernel) / (batch * seq)
+        act_r = activation_bytes(cfg, full, seq, batch, bytes_per, kernel=kernel) / (batch * seq)
         fl = flops_per_token(cfg, n, seq)
         tps = [MFU * peak / fl for peak in PEAKS.values()]
         lines.append(f"| {scale} | {n_std:,} | {n:,} | {4 * n / GIB:.2f} GiB | {4 * n / GIB:.2f} GiB | "
@@ -250,9 +252,9 @@ def report(variant: str, scales: list[str], bytes_per: int, kernel: str = "fused
                     continue
                 sequences = batch / (data * fsdp)
                 tokens = sequences * seq
-                state = sharded_state_bytes(cfg, shape) + embedding_extra_bytes(cfg, shape, bytes_per)
-                a_full = activation_bytes(cfg, seq, sequences, bytes_per, tensor, kernel=kernel)
-                a_remat = activation_bytes(full, seq, sequences, bytes_per, tensor, kernel=kernel)
+                state = sharded_state_bytes(cfg, shape, runtime) + embedding_extra_bytes(cfg, shape, bytes_per)
+                a_full = activation_bytes(cfg, runtime, seq, sequences, bytes_per, tensor, kernel=kernel)
+                a_remat = activation_bytes(cfg, full, seq, sequences, bytes_per, tensor, kernel=kernel)
                 per_mesh.append(f"| {scale} | {n_dev} | {data}×{fsdp}×{tensor} | {batch}×{seq} | {tokens:,.0f} | "
                                 f"{state / GIB:.2f} | {a_full / GIB:.2f} | {(state + a_full) / GIB:.2f} | "
                                 f"{a_remat / GIB:.2f} | {(state + a_remat) / GIB:.2f} |")
@@ -263,13 +265,14 @@ def report(variant: str, scales: list[str], bytes_per: int, kernel: str = "fused
     return "\n".join(lines + per_mesh)
 
 
-def xla_memory(cfg: ModelConfig, mesh_shape: tuple[int, int, int], batch: int, seq: int, train_cfg) -> dict:
+def xla_memory(cfg: ModelConfig, runtime: RuntimeConfig, mesh_shape: tuple[int, int, int], batch: int, seq: int,
+               train_cfg) -> dict:
     """Per-device bytes of the compiled train step on `mesh_shape` (8 fake CPU devices), from memory_analysis()."""
     import jax.numpy as jnp  # noqa: PLC0415
 
     from coupled_qk_jax.training import optimizer, steps  # noqa: PLC0415
 
-    abstract = nnx.eval_shape(lambda: TransformerLM(cfg, 0))
+    abstract = nnx.eval_shape(lambda: TransformerLM(cfg, 0, runtime))
     graphdef, params = steps.split_model(abstract)
     tx = optimizer.make_optimizer(params, train_cfg)
     state = jax.eval_shape(lambda p: steps.init_train_state(p, tx), params)
@@ -291,17 +294,18 @@ def xla_report(variant: str, scales: list[str], bytes_per: int, layers: int = 0)
              "model activations | "
              "model total | model / XLA |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for scale in scales:
-        cfg, seq, batch = model_config(scale, variant)
+        cfg, runtime, seq, batch = model_config(scale, variant)
         cfg = dataclasses.replace(cfg, dtype="bfloat16" if bytes_per == 2 else "float32",
                                   n_layers=layers or cfg.n_layers)
         train_cfg = TrainConfig.from_dict(lm.get_config(f"{variant},{scale}").train)
         for shape in ((8, 1, 1), (1, 8, 1)):
-            x = xla_memory(cfg, shape, batch, seq, train_cfg)
+            x = xla_memory(cfg, runtime, shape, batch, seq, train_cfg)
             sequences = batch / (shape[0] * shape[1])
-            state = sharded_state_bytes(cfg, shape) + embedding_extra_bytes(cfg, shape, bytes_per)
-            act = activation_bytes(cfg, seq, sequences, bytes_per, shape[2], kernel="explicit", cpu_upcast=True)
+            state = sharded_state_bytes(cfg, shape, runtime) + embedding_extra_bytes(cfg, shape, bytes_per)
+            act = activation_bytes(cfg, runtime, seq, sequences, bytes_per, shape[2], kernel="explicit",
+                                   cpu_upcast=True)
             model = state + act
-            lines.append(f"| {scale} | {'×'.join(map(str, shape))} | {'scanned' if cfg.scan_layers else 'loop'} | "
+            lines.append(f"| {scale} | {'×'.join(map(str, shape))} | {'scanned' if runtime.scan_layers else 'loop'} | "
                          f"{x['arguments'] / GIB:.2f} | {x['temp'] / GIB:.2f} | {x['total'] / GIB:.2f} | "
                          f"{state / GIB:.2f} | {act / GIB:.2f} | {model / GIB:.2f} | {model / x['total']:.3f} |")
             print(lines[-1], flush=True)

@@ -183,7 +183,7 @@ def compile_steps(cfg: Any, devices: list, steps: tuple[str, ...] = ("train", "e
                         f"{batch_devices} data-parallel devices of this mesh; set --config.train.batch_size to a "
                         f"multiple of {batch_devices}")
     seeds = run.train.seeds
-    layout = state_layout(run.model, run.train, seeds, mesh)
+    layout = state_layout(run.model, run.train, seeds, mesh, runtime=run.runtime)
     setup = loop.Setup(run, mesh, None, None, seeds, layout.graphdef, layout.abstract_state, layout.tx,
                        layout.shardings, layout.n_params, None)
     rows = shd.batch_sharding(mesh, seed_axis=len(seeds) > 1)
@@ -206,7 +206,7 @@ def compile_steps(cfg: Any, devices: list, steps: tuple[str, ...] = ("train", "e
         report = _compile("eval", step, params, {"inputs": eval_tokens, "targets": eval_tokens})
         out["steps"].append(report)
     if "decode" in steps:
-        abstract_model = nnx.eval_shape(lambda: TransformerLM(run.model, seeds[0]))
+        abstract_model = nnx.eval_shape(lambda: TransformerLM(run.model, seeds[0], run.runtime))
         gen = Generator.for_mesh(abstract_model, mesh)
         params = _with_shardings(nnx.to_pure_dict(nnx.state(abstract_model)), gen._param_shardings)
         rows_1d = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(shd.BATCH_AXES))
@@ -230,7 +230,7 @@ def fit_error(report: StepReport, hbm: int, chip: str) -> str | None:
     over = (report.total_bytes - hbm) / GIB
     return (f"the {report.step} step needs {report.total_bytes / GIB:.2f} GiB per chip, {over:.2f} GiB more than a "
             f"{chip} chip's {hbm / GIB:.0f} GiB; shard more (--mesh=fsdp:N), recompute more "
-            "(--config.model.remat=full), or lower --config.train.batch_size (or raise train.grad_accum)")
+            "(--config.runtime.remat=full), or lower --config.train.batch_size (or raise train.grad_accum)")
 
 
 def format_report(result: dict[str, Any], topology: str) -> str:

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from coupled_qk_jax import dynamics, invertible
-from coupled_qk_jax.config import DYNAMICS_METHOD, ModelConfig
+from coupled_qk_jax.config import DYNAMICS_METHOD, ModelConfig, RuntimeConfig
 from coupled_qk_jax.kernels import attend, choose_implementation
 from coupled_qk_jax.precision import add_bias
 
@@ -49,7 +49,7 @@ def const_param(shape: tuple[int, ...], value: float, axes: tuple) -> nnx.Param:
 
 def lambda_init(depth: int | Array) -> Array:
     """DiffAttn's λ_init for a 0-based layer index: 0.8 − 0.6·exp(−0.3·depth), fp32. `depth` may be traced (the
-    layer index of a scanned stack of layers, model.scan_layers)."""
+    layer index of a scanned stack of layers, runtime.scan_layers)."""
     return 0.8 - 0.6 * jnp.exp(-0.3 * jnp.asarray(depth, jnp.float32))
 
 
@@ -117,10 +117,11 @@ class AffineCouplingNets(nnx.Module):
 
 # -------------------------------------------------------------------------------------------------------- attention
 class CausalSelfAttention(nnx.Module):
-    """One causal attention layer. Input and output [B, T, d_model]."""
+    """One causal attention layer. Input and output [B, T, d_model]. ``runtime`` says how it is computed (the
+    attention kernel, the dynamics scan's unroll and backward pass), never what."""
 
-    def __init__(self, cfg: ModelConfig, layer_idx: int, key: Array):
-        self.cfg = cfg
+    def __init__(self, cfg: ModelConfig, layer_idx: int, key: Array, runtime: RuntimeConfig = RuntimeConfig()):
+        self.cfg, self.runtime = cfg, runtime
         d, h, dh = cfg.d_model, cfg.n_heads, cfg.head_dim
         path = f"layers/{layer_idx}/attn"
         std, out_std = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.n_layers)
@@ -144,7 +145,7 @@ class CausalSelfAttention(nnx.Module):
 
         if cfg.scoring == "differential":
             # λ_init depends on the depth: the layer index is kept (a Python int, not a parameter) and can be
-            # overridden per call, which is how a scanned stack of layers (model.scan_layers) passes its index.
+            # overridden per call, which is how a scanned stack of layers (runtime.scan_layers) passes its index.
             self.layer_idx = layer_idx
             for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
                 setattr(self, name, normal_param(key, f"{path}/{name}", (dh,), 0.1, ("head_dim",)))
@@ -176,8 +177,9 @@ class CausalSelfAttention(nnx.Module):
                 raise ValueError("model.coupling_scope='shared' needs the model's shared coupling MLP")
             # Δt stays float32: dynamics.py forms Δt·k in float32, since bf16 Δt gradients are far off.
             return dynamics.evolve_heads_batched(q, k, self.dt[...], mlp.params(q.dtype), cfg.n_steps,
-                                                 DYNAMICS_METHOD[transform], unroll=cfg.scan_unroll,
-                                                 per_head_params=cfg.per_head_params, backward=cfg.dynamics_backward)
+                                                 DYNAMICS_METHOD[transform], unroll=self.runtime.scan_unroll,
+                                                 per_head_params=cfg.per_head_params,
+                                                 backward=self.runtime.dynamics_backward)
         if transform == "affine":
             return invertible.affine_forward(self.affine.params(q.dtype), q, k)
         return q, k
@@ -200,7 +202,7 @@ class CausalSelfAttention(nnx.Module):
         Differential scoring reads the H heads as H/2 pairs of half-heads; each pair shares the value of width 2d
         made of both halves' values, and mixes its two attention matrices as A1 − λ·A2 (specs/diffattn.md). `depth`:
         the layer index for λ_init (default: the one the layer was built with)."""
-        chunks = self.cfg.attention_chunks
+        chunks = self.runtime.attention_chunks
         if self.cfg.scoring != "differential":
             return attend(q, k, v, None, impl, chunks, return_weights, visible)
         b, t, h, dh = q.shape
@@ -223,7 +225,7 @@ class CausalSelfAttention(nnx.Module):
         Activations are [B, T, H, d] from the projections on (the layout jax.nn.dot_product_attention and cuDNN
         take). collect=True runs the explicit kernel, which also returns the attention weights."""
         cfg, dtype = self.cfg, x.dtype
-        impl = "explicit" if collect else cfg.attention_impl
+        impl = "explicit" if collect else self.runtime.attention_impl
         if impl not in ("auto", "explicit"):  # a named kernel: honoured where it can run (choose_implementation)
             impl = choose_implementation(impl, dtype, cfg.head_dim, x.shape[1], mix=cfg.scoring == "differential")
         q, k, v = self.project_qkv(x)

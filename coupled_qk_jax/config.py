@@ -10,6 +10,12 @@ before scoring and `differential` swaps softmax scoring for Differential Attenti
     affine                    RealNVP-style invertible affine coupling (invertible.py)
     differential              no transform, Differential Attention scoring
     coupled_euler+differential, affine+differential, ...   any transform with differential scoring
+
+Two blocks, because they answer two questions. `ModelConfig` (`model.*`) is the function: shapes, variant, integrator,
+f's width, positions, init, dtype; a run keeps it for life. `RuntimeConfig` (`runtime.*`) is how that function is
+computed: rematerialisation, the attention kernel and its query blocks, the dynamics scan's unroll and backward pass,
+and whether the layers run as one scanned stack. None of them changes what is learnt, so a run may resume, be
+evaluated, sampled or exported under other runtime values (each change is noted once).
 """
 
 from __future__ import annotations
@@ -61,10 +67,6 @@ class ModelConfig:
     coupling_hidden: int = 24
     coupling_scope: str = "layer"  # "layer": one f per layer; "shared": one f for every layer
     per_head_params: bool = False  # one f per head (stacked on a leading H axis) instead of one shared by all heads
-    scan_unroll: int = 1  # lax.scan unroll over the n dynamics steps
-    # Backward pass of the dynamics (dynamics.integrate): "reversible" keeps no per-step residuals (leapfrog
-    # integrates backwards, the others recompute their steps), "autodiff" keeps the plain scan's. Same gradients.
-    dynamics_backward: str = "reversible"
     # Affine invertible coupling.
     affine_hidden: int = 24
     affine_pairs: int = 1
@@ -74,16 +76,6 @@ class ModelConfig:
     norm: str = "rmsnorm"  # "rmsnorm" | "layernorm"
     dropout: float = 0.0
     dtype: str = "float32"  # compute dtype, "float32" | "bfloat16"; params are always float32 (precision.py)
-    # "none" | "full" | "dots" (save matmul outputs) | "nothing_saveable"; under scan_layers "none" runs as "dots"
-    # (faster and smaller there: model.TransformerLM._scan_blocks)
-    remat: str = "none"
-    # Layers as one stacked block run by jax.lax.scan (params carry a leading "layers" axis): compile time and HLO
-    # size stop growing with depth, and FSDP gathers one layer's weights at a time. False: a Python loop of blocks.
-    scan_layers: bool = False
-    # "auto": cuDNN on GPU (bf16/fp16, no mix), else the Pallas kernel on GPU (a mix or float32) and on TPU, else
-    # explicit | "explicit" | "xla" | "cudnn" | "pallas" (kernels.choose_implementation)
-    attention_impl: str = "auto"
-    attention_chunks: int = 0  # query blocks of the explicit causal path; 0 = auto (about T/64, at most 8)
     init_std: float = 0.02
     # Biases on the q/k/v and output projections (GPT-2 has them; checkpoints imported from it need them).
     attn_bias: bool = False
@@ -94,16 +86,13 @@ class ModelConfig:
     def __post_init__(self):
         parse_variant(self.variant)
         _positive = ("vocab_size", "max_len", "d_model", "n_layers", "n_heads", "coupling_hidden", "affine_hidden",
-                     "affine_pairs", "scan_unroll")
+                     "affine_pairs")
         for name in _positive:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"model.{name} must be an integer >= 1, got {value!r}")
         if not isinstance(self.n_steps, int) or self.n_steps < 1:
             raise ValueError(f"model.n_steps must be an integer >= 1, got {self.n_steps!r}")
-        chunks = self.attention_chunks
-        if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 0:
-            raise ValueError(f"model.attention_chunks must be an integer >= 0 (0 = auto), got {chunks!r}")
         if not isinstance(self.num_labels, int) or isinstance(self.num_labels, bool) or self.num_labels < 0:
             raise ValueError(f"model.num_labels must be an integer >= 0 (0 = no classification head), got "
                              f"{self.num_labels!r}")
@@ -122,15 +111,8 @@ class ModelConfig:
             raise ValueError("model.dtype='float16' is not supported: it needs loss scaling, which is not implemented "
                              "(coupled_qk_jax/precision.py); use model.dtype='bfloat16'")
         choices = {"coupling_scope": ("layer", "shared"), "positions": ("learned", "rope", "none"),
-                   "norm": ("rmsnorm", "layernorm"), "dtype": ("float32", "bfloat16"),
-                   "remat": ("none", "full", "dots", "nothing_saveable"),
-                   "dynamics_backward": ("reversible", "autodiff"),
-                   "attention_impl": ("auto", "explicit", "xla", "cudnn", "pallas")}
-        for name, allowed in choices.items():
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"model.{name} must be one of {allowed}, got {getattr(self, name)!r}")
-        if not isinstance(self.scan_layers, bool):
-            raise ValueError(f"model.scan_layers must be True or False, got {self.scan_layers!r}")
+                   "norm": ("rmsnorm", "layernorm"), "dtype": ("float32", "bfloat16")}
+        _check_choices("model", self, choices)
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"model.dropout must be in [0, 1), got {self.dropout}")
         if self.per_head_params and self.coupling_scope == "shared":
@@ -151,9 +133,64 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> "ModelConfig":
         """Build from a ConfigDict/dict, refusing unknown fields by name."""
-        known = [f.name for f in dataclasses.fields(cls)]
-        unknown = sorted(set(values) - set(known))
-        if unknown:
-            raise ValueError(f"model: unknown field(s) {unknown}{did_you_mean(unknown[0], known)}; known fields are "
-                             f"{sorted(known)}")
-        return cls(**dict(values))
+        return _from_dict(cls, "model", values)
+
+
+@dataclasses.dataclass(frozen=True)
+class RuntimeConfig:
+    """How the model's function is computed: every field may differ between the run that trained a model and the
+    programs that resume, evaluate, sample or export it. Field names match the configs' `runtime` block."""
+
+    # "none" | "full" | "dots" (save matmul outputs) | "nothing_saveable"; under scan_layers "none" runs as "dots"
+    # (faster and smaller there: model.TransformerLM._scan_blocks)
+    remat: str = "none"
+    # Layers as one stacked block run by jax.lax.scan (params carry a leading "layers" axis): compile time and HLO
+    # size stop growing with depth, and FSDP gathers one layer's weights at a time. False: a Python loop of blocks.
+    # The checkpoint layout follows it; a restore converts a checkpoint saved in the other layout.
+    scan_layers: bool = False
+    # "auto": cuDNN on GPU (bf16/fp16, no mix), else the Pallas kernel on GPU (a mix or float32) and on TPU, else
+    # explicit | "explicit" | "xla" | "cudnn" | "pallas" (kernels.choose_implementation)
+    attention_impl: str = "auto"
+    attention_chunks: int = 0  # query blocks of the explicit causal path; 0 = auto (about T/64, at most 8)
+    scan_unroll: int = 1  # lax.scan unroll over the n dynamics steps
+    # Backward pass of the dynamics (dynamics.integrate): "reversible" keeps no per-step residuals (leapfrog
+    # integrates backwards, the others recompute their steps), "autodiff" keeps the plain scan's. Same gradients.
+    dynamics_backward: str = "reversible"
+
+    def __post_init__(self):
+        if not isinstance(self.scan_unroll, int) or isinstance(self.scan_unroll, bool) or self.scan_unroll < 1:
+            raise ValueError(f"runtime.scan_unroll must be an integer >= 1, got {self.scan_unroll!r}")
+        chunks = self.attention_chunks
+        if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 0:
+            raise ValueError(f"runtime.attention_chunks must be an integer >= 0 (0 = auto), got {chunks!r}")
+        if not isinstance(self.scan_layers, bool):
+            raise ValueError(f"runtime.scan_layers must be True or False, got {self.scan_layers!r}")
+        _check_choices("runtime", self, {"remat": ("none", "full", "dots", "nothing_saveable"),
+                                         "dynamics_backward": ("reversible", "autodiff"),
+                                         "attention_impl": ("auto", "explicit", "xla", "cudnn", "pallas")})
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> "RuntimeConfig":
+        """Build from a ConfigDict/dict, refusing unknown fields by name."""
+        return _from_dict(cls, "runtime", values)
+
+
+# The fields that moved from the model block to the runtime block (config.json's schema 3): how older run
+# directories, exports and config dicts are read.
+RUNTIME_FIELD_NAMES = tuple(f.name for f in dataclasses.fields(RuntimeConfig))
+
+
+def _check_choices(block: str, instance: Any, choices: Mapping[str, tuple]) -> None:
+    for name, allowed in choices.items():
+        if getattr(instance, name) not in allowed:
+            raise ValueError(f"{block}.{name} must be one of {allowed}, got {getattr(instance, name)!r}")
+
+
+def _from_dict(cls: type, block: str, values: Mapping[str, Any]) -> Any:
+    known = [f.name for f in dataclasses.fields(cls)]
+    values = values.to_dict() if hasattr(values, "to_dict") else dict(values)
+    unknown = sorted(set(values) - set(known))
+    if unknown:
+        raise ValueError(f"{block}: unknown field(s) {unknown}{did_you_mean(unknown[0], known)}; known fields are "
+                         f"{sorted(known)}")
+    return cls(**values)

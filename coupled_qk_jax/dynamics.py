@@ -26,7 +26,7 @@ Precision. Δt stays float32 and every update x + Δt·y is computed in float32 
 (`_axpy`), so under bf16 Δt·k is never formed in bf16 and the gradient of Δt (a sum over B·T·d_head products per
 head) is a float32 sum.
 
-Backward pass (`backward=`, `model.dynamics_backward`):
+Backward pass (`backward=`, `runtime.dynamics_backward`):
 - "autodiff": reverse-mode through the plain scan; XLA keeps every step's residuals (q, f's hidden layer, k, f(q))
   from the forward until the backward, so memory grows with n.
 - "reversible": nothing per step is kept from the forward to the backward pass, so memory does not grow with n.

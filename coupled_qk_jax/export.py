@@ -10,9 +10,9 @@ The folder needs nothing but this package to load: no checkpoint, no corpus, no 
     DIR/model.safetensors   every parameter, float32, named by its dotted path in the model, e.g. ``embed``,
                             ``blocks.0.attn.wq`` [d_model, H, d_head], ``blocks.0.attn.coupling.w1``,
                             ``final_norm.scale`` (the names are the unscanned model's own attribute paths, so they
-                            change only when model.py's structure does: a model.scan_layers run is written per
-                            layer too, and stacked back on load when its config asks for scanned layers)
-    DIR/config.json         the run's full config; the loader reads its ``model`` block
+                            change only when model.py's structure does: a runtime.scan_layers run is written per
+                            layer too, and stacked back on load when the runtime asks for scanned layers)
+    DIR/config.json         the run's full config; the loader reads its ``model`` and ``runtime`` blocks
     DIR/tokenizer.json      the BPE tokenizer (absent for the byte tokenizer)
     DIR/export.json         written last: format, checkpoint step, replica and seed, tokenizer kind / size / end-of-text id, and the
                             SHA-256 of every other file, checked on load so a damaged file is refused by name
@@ -39,7 +39,7 @@ from flax import nnx
 
 from coupled_qk_jax import paths
 from coupled_qk_jax import sharding as shd
-from coupled_qk_jax.config import ModelConfig
+from coupled_qk_jax.config import ModelConfig, RuntimeConfig
 from coupled_qk_jax.data.token_cache import file_sha256
 from coupled_qk_jax.data.tokenizer import BPETokenizer, ByteTokenizer, Tokenizer
 from coupled_qk_jax.errors import UserError
@@ -70,15 +70,13 @@ def flatten_params(params: Any) -> dict[str, np.ndarray]:
 
 
 def per_layer_tensors(params: Any, mcfg: ModelConfig) -> dict[str, np.ndarray]:
-    """The export's names: :func:`flatten_params`, with a scanned stack of layers (``model.scan_layers``: one
-    ``blocks.attn.wq`` [L, ...]) split into the per-layer names of the unscanned model (``blocks.0.attn.wq`` ...).
-    A speed flag does not change the names, only the model's structure does."""
+    """The export's names: :func:`flatten_params`, with a scanned stack of layers (``runtime.scan_layers``: one
+    ``blocks.attn.wq`` [L, ...], told apart from ``blocks.0.attn.wq`` by its name) split into the per-layer names of
+    the unscanned model. A runtime setting does not change the names, only the model's structure does."""
     flat = flatten_params(params)
-    if not mcfg.scan_layers:
-        return flat
     out = {}
     for name, value in flat.items():
-        if name.startswith("blocks."):
+        if name.startswith("blocks.") and not name.split(".")[1].isdigit():
             assert value.shape[0] == mcfg.n_layers, (name, value.shape)
             out.update({f"blocks.{i}.{name[len('blocks.'):]}": value[i] for i in range(mcfg.n_layers)})
         else:
@@ -86,11 +84,11 @@ def per_layer_tensors(params: Any, mcfg: ModelConfig) -> dict[str, np.ndarray]:
     return out
 
 
-def _stack_layers(tensors: dict[str, np.ndarray], mcfg: ModelConfig) -> dict[str, np.ndarray]:
-    """Inverse of :func:`per_layer_tensors` for a config with ``model.scan_layers``: ``blocks.<i>.X`` for every
+def _stack_layers(tensors: dict[str, np.ndarray], mcfg: ModelConfig, scanned: bool) -> dict[str, np.ndarray]:
+    """Inverse of :func:`per_layer_tensors` for a model with scanned layers (``scanned``): ``blocks.<i>.X`` for every
     layer i -> ``blocks.X`` [L, ...]. Names that do not cover every layer stay as they are (and are reported as not
     fitting the model)."""
-    if not mcfg.scan_layers:
+    if not scanned:
         return tensors
     out = {k: v for k, v in tensors.items() if not k.startswith("blocks.")}
     rests = sorted({k.split(".", 2)[2] for k in tensors if k.startswith("blocks.") and k.count(".") >= 2})
@@ -232,23 +230,25 @@ def _read_manifest(d: Path) -> dict[str, Any]:
     return manifest
 
 
-def load_exported(directory: str | os.PathLike[str]) -> tuple[nnx.Module, Tokenizer, dict[str, Any]]:
+def load_exported(directory: str | os.PathLike[str], runtime: RuntimeConfig | None = None,
+                  ) -> tuple[nnx.Module, Tokenizer, dict[str, Any]]:
     """Rebuilds ``(model, tokenizer, manifest)`` from an export folder alone.
 
-    The model is a ``TransformerLM`` with the exported float32 parameters (host arrays on the default device);
-    ``manifest["config"]`` is the run's full config. Raises :class:`ExportError` (one line) when the folder is
-    missing, a file is damaged, or the weights do not fit the config's model (names or shapes differ).
+    The model is a ``TransformerLM`` with the exported float32 parameters (host arrays on the default device), computed
+    as ``runtime`` says (default: the run's own ``runtime`` block); ``manifest["config"]`` is the run's full config.
+    Raises :class:`ExportError` (one line) when the folder is missing, a file is damaged, or the weights do not fit
+    the config's model (names or shapes differ).
     """
     if not paths.is_remote(directory):
-        return _load_folder(Path(directory))
+        return _load_folder(Path(directory), runtime)
     with tempfile.TemporaryDirectory(prefix="export_") as local:
         try:
-            return _load_folder(_local_folder(paths.as_path(directory), local))
+            return _load_folder(_local_folder(paths.as_path(directory), local), runtime)
         except ExportError as e:  # name the folder the user gave, not the local copy
             raise ExportError(str(e).replace(local, str(directory).rstrip("/"))) from None
 
 
-def _load_folder(d: Path) -> tuple[nnx.Module, Tokenizer, dict[str, Any]]:
+def _load_folder(d: Path, runtime: RuntimeConfig | None) -> tuple[nnx.Module, Tokenizer, dict[str, Any]]:
     """:func:`load_exported` of a local folder."""
     from safetensors import SafetensorError  # noqa: PLC0415
     from safetensors.numpy import load_file  # noqa: PLC0415
@@ -262,14 +262,15 @@ def _load_folder(d: Path) -> tuple[nnx.Module, Tokenizer, dict[str, Any]]:
     config, _ = upgrade_config(json.loads((d / CONFIG).read_text(encoding="utf-8")))
     try:
         mcfg = ModelConfig.from_dict(config.get("model", {}))
+        runtime = runtime or RuntimeConfig.from_dict(config.get("runtime", {}))
     except (TypeError, ValueError) as e:
         raise ExportError(f"{d / CONFIG} has no valid model block: {str(e).splitlines()[0]}") from None
-    try:
-        tensors = _stack_layers(load_file(str(d / WEIGHTS)), mcfg)  # the config's layout of the layers
+    try:  # the runtime's layout of the layers
+        tensors = _stack_layers(load_file(str(d / WEIGHTS)), mcfg, runtime.scan_layers)
     except SafetensorError as e:
         raise ExportError(f"{d / WEIGHTS} cannot be read ({e}); export again") from None
 
-    graphdef, abstract = split_model(nnx.eval_shape(lambda: TransformerLM(mcfg, 0)))
+    graphdef, abstract = split_model(nnx.eval_shape(lambda: TransformerLM(mcfg, 0, runtime)))
     paths, treedef = jax.tree_util.tree_flatten_with_path(abstract)
     expected = {param_name(p): x for p, x in paths}
     missing = sorted(set(expected) - set(tensors))
@@ -295,10 +296,11 @@ def _load_folder(d: Path) -> tuple[nnx.Module, Tokenizer, dict[str, Any]]:
 
 
 # -- parameters to start a run from ----------------------------------------------------------------------------------
-def initial_tensors(source: str | os.PathLike[str], mcfg: ModelConfig) -> dict[str, np.ndarray]:
+def initial_tensors(source: str | os.PathLike[str], mcfg: ModelConfig,
+                    runtime: RuntimeConfig = RuntimeConfig()) -> dict[str, np.ndarray]:
     """``{name: host array}`` to start a model of ``mcfg`` from (``train.init_from``): the weights of an export folder
     (verified against its checksums) or of a run directory's newest intact checkpoint (replica 0), named as the
-    export names them and stacked per :func:`_stack_layers` when ``mcfg`` scans its layers. Raises ExportError when
+    export names them and stacked per :func:`_stack_layers` when ``runtime`` scans the layers. Raises ExportError when
     ``source`` is neither."""
     from safetensors.numpy import load_file  # noqa: PLC0415
 
@@ -316,4 +318,4 @@ def initial_tensors(source: str | os.PathLike[str], mcfg: ModelConfig) -> dict[s
     else:
         raise ExportError(f"train.init_from={source}: neither an export folder ({MANIFEST}) nor a run directory "
                           f"({CONFIG})")
-    return _stack_layers(tensors, mcfg)
+    return _stack_layers(tensors, mcfg, runtime.scan_layers)

@@ -3,7 +3,7 @@
     tokens [B, T] -> embed (+ learned positions) -> n_layers x Block -> final norm -> tied head -> logits [B, T, V]
     Block: x + Attn(Norm(x)), then x + MLP(Norm(x))       (pre-norm, GELU MLP)
 
-The layers are either a list of Blocks run by a Python loop, or (`model.scan_layers`) one Block whose parameters are
+The layers are either a list of Blocks run by a Python loop, or (`runtime.scan_layers`) one Block whose parameters are
 stacked on a leading "layers" axis and run by jax.lax.scan: the program then holds one layer, so compile time and
 HLO size do not grow with depth, and FSDP gathers one layer's weights per scan iteration. Both layouts initialise
 identical values (the stacked block is the list's blocks stacked), and `to_scanned` / `to_unscanned` convert a
@@ -26,7 +26,7 @@ from flax import nnx
 
 from coupled_qk_jax import sharding as shd
 from coupled_qk_jax.attention import CausalSelfAttention, CouplingMLP, const_param, normal_param, rms_norm
-from coupled_qk_jax.config import DYNAMICS_METHOD, ModelConfig
+from coupled_qk_jax.config import DYNAMICS_METHOD, ModelConfig, RuntimeConfig
 from coupled_qk_jax.precision import add_bias
 
 Array = jax.Array
@@ -51,7 +51,7 @@ REMAT_POLICIES = {
     # FSDP gathered (sharding.GATHERED): the backward pass re-gathers them instead of keeping a full copy of every
     # layer's weights alive from the forward pass (ZeRO-3). With nothing gathered (no fsdp) it would save all, so
     # the unscanned stack then runs its blocks without a checkpoint.
-    # The scanned stack of layers (model.scan_layers) runs "none" as "dots" instead: see TransformerLM._scan_blocks.
+    # The scanned stack of layers (runtime.scan_layers) runs "none" as "dots" instead: see TransformerLM._scan_blocks.
     "none": _save_all_but_gathered,
     "full": None,  # save nothing but the block input: recompute the whole block in the backward pass
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
@@ -102,10 +102,10 @@ def dropout(x: Array, rate: float, key: Array | None) -> Array:
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, key: Array):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, key: Array, runtime: RuntimeConfig = RuntimeConfig()):
         self.cfg = cfg
         self.attn_norm = Norm(cfg)
-        self.attn = CausalSelfAttention(cfg, layer_idx, key)
+        self.attn = CausalSelfAttention(cfg, layer_idx, key, runtime)
         if cfg.d_ff:
             self.mlp_norm = Norm(cfg)
             self.mlp = MLP(cfg, layer_idx, key)
@@ -160,10 +160,13 @@ def stack_blocks(blocks: list[Block]) -> Block:
 
 
 class TransformerLM(nnx.Module):
-    """Decoder-only LM. `TransformerLM(cfg, seed)`; `model(tokens)` -> float32 logits [B, T, vocab_size]."""
+    """Decoder-only LM. `TransformerLM(cfg, seed)`; `model(tokens)` -> float32 logits [B, T, vocab_size].
 
-    def __init__(self, cfg: ModelConfig, seed: int | Array = 0):
-        self.cfg = cfg
+    `runtime` (default: RuntimeConfig()) is how the function is computed: remat, the layer layout, the attention
+    kernel and the dynamics scan. Every runtime gives the same function from the same seed."""
+
+    def __init__(self, cfg: ModelConfig, seed: int | Array = 0, runtime: RuntimeConfig = RuntimeConfig()):
+        self.cfg, self.runtime = cfg, runtime
         key = jax.random.key(seed) if isinstance(seed, int) else seed
         self.embed = normal_param(key, "embed", (cfg.vocab_size, cfg.d_model), cfg.init_std, ("vocab", "embed"))
         if cfg.positions == "learned":
@@ -171,8 +174,8 @@ class TransformerLM(nnx.Module):
                                           (None, "embed"))
         if cfg.qk_transform in DYNAMICS_METHOD and cfg.coupling_scope == "shared":
             self.shared_coupling = CouplingMLP(cfg, key, "shared_coupling")
-        blocks = [Block(cfg, i, key) for i in range(cfg.n_layers)]
-        self.blocks = stack_blocks(blocks) if cfg.scan_layers else nnx.List(blocks)
+        blocks = [Block(cfg, i, key, runtime) for i in range(cfg.n_layers)]
+        self.blocks = stack_blocks(blocks) if runtime.scan_layers else nnx.List(blocks)
         self.final_norm = Norm(cfg)
         if cfg.num_labels:
             self.cls_head = normal_param(key, "cls_head", (cfg.d_model, cfg.num_labels), cfg.init_std, ("embed", None))
@@ -215,15 +218,16 @@ class TransformerLM(nnx.Module):
         shared = getattr(self, "shared_coupling", None)
         if shared is not None:
             shared = shd.gather_weights(shared)
-        if cfg.scan_layers:
+        remat = self.runtime.remat
+        if self.runtime.scan_layers:
             x, collected = self._scan_blocks(x, shared, keys, collect)
         else:
             collected = []
             # remat="none" with nothing gathered saves every residual, so a checkpoint would only add its
             # reduce_precision markers, which XLA keeps as fusion barriers.
             run = _run_block_output
-            if cfg.remat != "none" or shd.fsdp_gathers():
-                run = nnx.remat(_run_block_output, policy=REMAT_POLICIES[cfg.remat])
+            if remat != "none" or shd.fsdp_gathers():
+                run = nnx.remat(_run_block_output, policy=REMAT_POLICIES[remat])
             for i, block in enumerate(self.blocks):
                 key = None if keys is None else keys[i]
                 if not collect:
@@ -266,7 +270,7 @@ class TransformerLM(nnx.Module):
         if shared is not None:
             shared = shd.gather_weights(shared)
         ks, vs = shd.constrain(cache["k"], CACHE_AXES), shd.constrain(cache["v"], CACHE_AXES)
-        if cfg.scan_layers:
+        if self.runtime.scan_layers:
             # The whole cache rides in the scan carry and each layer updates its own slice in place: scanning the
             # cache as xs/ys instead would build a second full cache every step (measured: temp memory 42 MB vs
             # 9 MB for small's 34 MB cache).
@@ -313,7 +317,8 @@ class TransformerLM(nnx.Module):
             # consumers as it does in one unrolled graph. Measured on CPU:
             # 0.79-0.94x the step time of saving everything at 0.37x its memory; vs the Python loop 0.93-1.08x
             # under glibc malloc, 1.08-1.15x under tcmalloc (the recomputation is that floor; other policies cost more).
-            policy = REMAT_POLICIES["dots" if cfg.remat == "none" else cfg.remat]
+            remat = self.runtime.remat
+            policy = REMAT_POLICIES["dots" if remat == "none" else remat]
             body = jax.checkpoint(body, policy=policy, prevent_cse=False)
         x, aux = jax.lax.scan(body, x, (nnx.to_pure_dict(stacked), jnp.arange(cfg.n_layers), layer_keys))
         if not collect:

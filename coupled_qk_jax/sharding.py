@@ -7,7 +7,7 @@ the block boundaries of model.py.
     batch             -> ("data", "fsdp")   batches split over every data-parallel axis
     embed             -> "fsdp"             FSDP: params and optimiser state sharded over fsdp (stored layout)
     vocab, heads, mlp -> "tensor"           tensor parallelism: vocab, heads and the MLP split over tensor
-    layers            -> None               the stacked layer axis of scanned layers (model.scan_layers)
+    layers            -> None               the stacked layer axis of scanned layers (runtime.scan_layers)
     activation_embed, length, head_dim, coupling -> None (replicated)
 
 Loud: a dimension that its mesh axis does not divide is an error naming the parameter, the axis and a fix (e.g.

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from coupled_qk_jax.config import ModelConfig
+from coupled_qk_jax.config import ModelConfig, RuntimeConfig
 from coupled_qk_jax.model import TransformerLM
 from coupled_qk_jax.training import steps
 
@@ -49,9 +49,9 @@ def trained_looking_params(cfg: ModelConfig) -> dict:
 
 
 @functools.cache
-def grad_fn(cfg: ModelConfig):
-    """The jitted (mean loss, gradient) on BATCH, one per config (compiled once, reused by every call)."""
-    graphdef, _ = steps.split_model(nnx.eval_shape(lambda: TransformerLM(cfg, 0)))
+def grad_fn(cfg: ModelConfig, runtime: RuntimeConfig = RuntimeConfig()):
+    """The jitted (mean loss, gradient) on BATCH, one per config and runtime (compiled once, reused by every call)."""
+    graphdef, _ = steps.split_model(nnx.eval_shape(lambda: TransformerLM(cfg, 0, runtime)))
     loss_fn = steps.make_loss_fn(graphdef)
     return jax.jit(jax.value_and_grad(lambda p: loss_fn(p, BATCH)[0]))
 

@@ -11,7 +11,7 @@ import pytest
 
 from coupled_qk_jax import attention, kernels
 from coupled_qk_jax.kernels import auto_chunks, choose_implementation
-from coupled_qk_jax.config import ALL_VARIANTS, ModelConfig
+from coupled_qk_jax.config import ALL_VARIANTS, ModelConfig, RuntimeConfig
 
 B, H, D = 2, 4, 8
 causal_attention = jax.jit(kernels.attend, static_argnames=("impl", "n_chunks", "return_weights"))
@@ -163,7 +163,7 @@ MIX_VARIANTS = [v for v in ALL_VARIANTS if v.endswith("differential")]
 
 
 def test_pallas_gpu_kernel_in_interpret_mode_matches_explicit_with_and_without_a_mix(monkeypatch):
-    """model.attention_impl="pallas" as on a GPU (the Pallas GPU kernel, run by Pallas' interpreter on
+    """runtime.attention_impl="pallas" as on a GPU (the Pallas GPU kernel, run by Pallas' interpreter on
     CPU): a float32 attention layer's output and its gradients (input and every parameter, off init so that the
     QK transform acts) equal the explicit path's, with a mix and for float32 softmax (standard);
     T = 32 (one block of the kernel), head dim 16. Positive control: the program holds the interpreted kernels
@@ -183,8 +183,8 @@ def test_pallas_gpu_kernel_in_interpret_mode_matches_explicit_with_and_without_a
     def layer_grads(impl):
         def one(variant):
             cfg = ModelConfig(variant=variant, vocab_size=61, max_len=32, d_model=32, n_layers=1, n_heads=2, d_ff=32,
-                              coupling_hidden=8, affine_hidden=8, n_steps=2, attention_impl=impl)
-            layer = attention.CausalSelfAttention(cfg, 0, jax.random.key(0))
+                              coupling_hidden=8, affine_hidden=8, n_steps=2)
+            layer = attention.CausalSelfAttention(cfg, 0, jax.random.key(0), RuntimeConfig(attention_impl=impl))
             rng = np.random.default_rng(0)
             for _, var in nnx.to_flat_state(nnx.state(layer, nnx.Param)):
                 var.set_value(var.get_value() + jnp.asarray(0.1 * rng.normal(size=var.get_value().shape),

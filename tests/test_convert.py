@@ -220,7 +220,8 @@ def test_glue_fine_tuning_from_the_import_scores_and_submits(standard, tmp_path)
     labels = _write_sst2(tmp_path / "SST-2")
     cfg = get_config("standard,tiny,sst2")
     cfg.model.update({"vocab_size": 512, "max_len": 64, "d_model": 64, "n_layers": 2, "n_heads": 4, "d_ff": 256,
-                      "norm": "layernorm", "attn_bias": True, "dtype": "float32", "scan_layers": False})
+                      "norm": "layernorm", "attn_bias": True, "dtype": "float32"})
+    cfg.runtime.scan_layers = False
     cfg.data.update(corpus=f"glue:sst2:{tmp_path / 'SST-2'}", seq_len=32)
     cfg.train.update(steps=6, batch_size=8, eval_batch_size=4, warmup_steps=1, lr=1e-3, log_every=3, eval_every=3,
                      init_from=str(out))

@@ -287,15 +287,15 @@ def test_reversible_backward_inside_the_model(variant, remat):
     autodiff, fp32, rtol 1e-5; f's output layer and Δt set to non-trivial values so the dynamics act."""
     from flax import nnx
 
-    from coupled_qk_jax.config import ModelConfig
+    from coupled_qk_jax.config import ModelConfig, RuntimeConfig
     from coupled_qk_jax.model import TransformerLM
 
     tokens = jax.random.randint(jax.random.key(0), (2, 128), 0, 61)
     grads = {}
     for backward in ("autodiff", "reversible"):
         cfg = ModelConfig(variant=variant, vocab_size=61, max_len=128, d_model=32, n_layers=2, n_heads=4, d_ff=64,
-                          coupling_hidden=8, n_steps=3, remat=remat, dynamics_backward=backward)
-        model = TransformerLM(cfg, seed=0)
+                          coupling_hidden=8, n_steps=3)
+        model = TransformerLM(cfg, seed=0, runtime=RuntimeConfig(remat=remat, dynamics_backward=backward))
         rng = np.random.default_rng(0)
         for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
             name = "/".join(map(str, path))

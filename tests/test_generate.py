@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -11,7 +10,7 @@ import pytest
 from flax import nnx
 
 from coupled_qk_jax import generate
-from coupled_qk_jax.config import ALL_VARIANTS, ModelConfig
+from coupled_qk_jax.config import ALL_VARIANTS, ModelConfig, RuntimeConfig
 from coupled_qk_jax.generate import Generator, Sampling, sample_logits
 from coupled_qk_jax.model import TransformerLM
 
@@ -103,14 +102,13 @@ def test_cached_decoding_coupling_options(overrides):
 
 
 def test_cached_decoding_with_scanned_layers():
-    """model.scan_layers: the cache's layer axis runs through the layer scan with the stacked params (and
+    """runtime.scan_layers: the cache's layer axis runs through the layer scan with the stacked params (and
     differential scoring's λ_init gets the traced layer index). The same weights, stacked, give the same cached
     logits as the unscanned model's full forward."""
     from coupled_qk_jax.model import to_scanned
 
     model = tiny_model("coupled_leapfrog+differential", "rope", n_layers=3)
-    cfg = dataclasses.replace(model.cfg, scan_layers=True)
-    graphdef, _ = nnx.split(nnx.eval_shape(lambda: TransformerLM(cfg, 0)))
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: TransformerLM(model.cfg, 0, RuntimeConfig(scan_layers=True))))
     scanned = nnx.merge(graphdef, to_scanned(nnx.to_pure_dict(nnx.state(model))))
     tokens = np.asarray(jax.random.randint(jax.random.key(5), (2, T), 0, 61), np.int32)
     g, state = nnx.split(model)

@@ -165,7 +165,7 @@ def test_config_files_hold_the_dataclass_defaults():
 @pytest.mark.parametrize("scale", ["60m", "150m", "350m"])
 def test_accelerator_scales_default_to_bf16_a_pod_sized_batch_sampled_evaluation_and_timed_checkpoints(scale):
     run = RunConfig.from_configdict(lm.get_config(f"coupled_euler,{scale}"))
-    assert run.model.dtype == "bfloat16" and run.model.scan_layers
+    assert run.model.dtype == "bfloat16" and run.runtime.scan_layers
     for chips in (8, 16, 32, 64, 128, 256):  # the global batch splits evenly over every power-of-two slice
         assert run.train.batch_size % chips == 0
     # About 20 tokens per parameter (Chinchilla): within 10% at this batch.

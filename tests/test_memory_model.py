@@ -24,7 +24,7 @@ import pytest
 from benchmarks import memory_model
 from flax import nnx
 
-from coupled_qk_jax.config import ModelConfig
+from coupled_qk_jax.config import ModelConfig, RuntimeConfig
 from coupled_qk_jax.model import REMAT_POLICIES, Block, TransformerLM, _run_block_output
 from coupled_qk_jax.training import steps
 
@@ -46,9 +46,9 @@ def residuals(fn, *args) -> list[tuple[list[int], int, str]]:
     return rows
 
 
-def saved_per_layer(cfg: ModelConfig) -> float:
+def saved_per_layer(cfg: ModelConfig, runtime: RuntimeConfig) -> float:
     """Bytes of the non-argument residuals stacked over the layer axis, per layer."""
-    graphdef, params = steps.split_model(TransformerLM(cfg, 0))
+    graphdef, params = steps.split_model(TransformerLM(cfg, 0, runtime))
     loss_fn = steps.make_loss_fn(graphdef)
     tokens = jnp.zeros((B, T), jnp.int32)
     rows = residuals(lambda p: loss_fn(p, {"inputs": tokens, "targets": tokens})[0], params)
@@ -66,10 +66,12 @@ def saved_per_layer(cfg: ModelConfig) -> float:
 ])
 def test_layer_residuals_match_what_jax_saves(variant, dtype, extra):
     cfg = ModelConfig(variant=variant, vocab_size=64, max_len=T, d_model=64, n_layers=L, n_heads=4, d_ff=256,
-                      coupling_hidden=12, attention_impl="explicit", scan_layers=True, dtype=dtype, **extra)
-    assert memory_model.saved_policy(cfg) == "dots"
-    per_seq, per_layer = memory_model.layer_residuals(cfg, T, jnp.dtype(dtype).itemsize, policy="dots")
-    assert B * sum(per_seq.values()) + sum(per_layer.values()) == saved_per_layer(cfg)
+                      coupling_hidden=12, dtype=dtype, n_steps=extra.get("n_steps", 1))
+    runtime = RuntimeConfig(attention_impl="explicit", scan_layers=True,
+                            dynamics_backward=extra.get("dynamics_backward", "reversible"))
+    assert memory_model.saved_policy(runtime) == "dots"
+    per_seq, per_layer = memory_model.layer_residuals(cfg, runtime, T, jnp.dtype(dtype).itemsize, policy="dots")
+    assert B * sum(per_seq.values()) + sum(per_layer.values()) == saved_per_layer(cfg, runtime)
 
 
 @pytest.mark.parametrize("variant,dtype,extra", [
@@ -86,17 +88,18 @@ def test_everything_policy_matches_one_block(variant, dtype, extra):
     plain autodiff saves then stays within 3% of this count (equal but for a few scalars, 2.4% fewer for mlp_only
     with autodiff at n = 2), so the count still describes what the loop keeps."""
     cfg = ModelConfig(variant=variant, vocab_size=64, max_len=T, d_model=64, n_layers=2, n_heads=4, d_ff=256,
-                      coupling_hidden=12, attention_impl="explicit", dtype=dtype, **extra)
-    graphdef, params = nnx.split(Block(cfg, 0, jax.random.key(0)))
+                      coupling_hidden=12, dtype=dtype, n_steps=extra.get("n_steps", 1))
+    runtime = RuntimeConfig(attention_impl="explicit", dynamics_backward=extra.get("dynamics_backward", "reversible"))
+    graphdef, params = nnx.split(Block(cfg, 0, jax.random.key(0), runtime))
     plain = lambda p, x: _run_block_output(nnx.merge(graphdef, p), x, None, None, 0)
     args = (nnx.to_pure_dict(params), jnp.zeros((B, T, cfg.d_model), dtype))
 
     def saved(fn) -> int:
         return sum(n for _, n, src in residuals(fn, *args) if not ("from the argument" in src and "['" in src))  # but x
 
-    blocks = memory_model._query_blocks(cfg, T)
+    blocks = memory_model._query_blocks(runtime, T)
     mask = 5 * B * cfg.n_heads * sum((hi - lo) * hi for lo, hi in blocks)
-    per_seq, per_layer = memory_model.layer_residuals(cfg, T, jnp.dtype(dtype).itemsize, policy="everything")
+    per_seq, per_layer = memory_model.layer_residuals(cfg, runtime, T, jnp.dtype(dtype).itemsize, policy="everything")
     counted = B * sum(per_seq.values()) + sum(per_layer.values()) + mask
     assert counted == saved(jax.checkpoint(plain, policy=REMAT_POLICIES["none"]))
     assert abs(saved(plain) - counted) <= 0.03 * counted
@@ -105,8 +108,7 @@ def test_everything_policy_matches_one_block(variant, dtype, extra):
 def test_query_blocks_follow_the_kernel():
     """The explicit kernel's blocks at T = 1024 (the 60m-350m context): 8 blocks of 128 queries, whose key prefixes
     sum to (8+1)/2 = 4.5 copies of K and whose scores cover 9/16 of the T×T square."""
-    cfg = ModelConfig(max_len=1024)
-    blocks = memory_model._query_blocks(cfg, 1024)
+    blocks = memory_model._query_blocks(RuntimeConfig(), 1024)
     assert blocks == [(128 * i, 128 * (i + 1)) for i in range(8)]
     assert sum(hi for _, hi in blocks) == 4.5 * 1024
     assert sum((hi - lo) * hi for lo, hi in blocks) == 1024 * 1024 * 9 // 16

@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from coupled_qk_jax.attention import CausalSelfAttention, lambda_init
-from coupled_qk_jax.config import ALL_VARIANTS, DYNAMICS_METHOD, ModelConfig
+from coupled_qk_jax.config import ALL_VARIANTS, DYNAMICS_METHOD, ModelConfig, RuntimeConfig
 from coupled_qk_jax.configs import lm
 from coupled_qk_jax.model import TransformerLM, abstract_param_count, count_params
 
@@ -243,8 +243,8 @@ def test_unscanned_blocks_are_checkpointed_only_where_something_is_dropped():
 
     def count(remat, fsdp=1):
         cfg = ModelConfig(variant="coupled_euler", vocab_size=32, max_len=16, d_model=16, n_layers=2, n_heads=2,
-                          d_ff=32, remat=remat)
-        graphdef, params = steps.split_model(TransformerLM(cfg, 0))
+                          d_ff=32)
+        graphdef, params = steps.split_model(TransformerLM(cfg, 0, RuntimeConfig(remat=remat)))
         tokens = jnp.zeros((2, 16), jnp.int32)
         loss = lambda p: steps.make_loss_fn(graphdef)(p, {"inputs": tokens, "targets": tokens})[0]
         # Auto axes, as sharding.make_mesh builds them: AbstractMesh's default became Explicit in jax 0.11, where

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from coupled_qk_jax import attention, kernels
-from coupled_qk_jax.config import ALL_VARIANTS, ModelConfig
+from coupled_qk_jax.config import ALL_VARIANTS, ModelConfig, RuntimeConfig
 from coupled_qk_jax.model import to_scanned, to_unscanned
 from coupled_qk_jax.precision import add_bias
 
@@ -71,8 +71,8 @@ CASES = ([(v, "auto", False) for v in ALL_VARIANTS]
 @pytest.mark.parametrize("variant,impl,scan", CASES)
 def test_bf16_gradients_match_fp32_for_every_leaf(variant, impl, scan):
     params, names, g32, sigma = fp32_reference(variant)
-    cfg = model_config(variant, dtype="bfloat16", attention_impl=impl, scan_layers=scan)
-    g16 = grad_fn(cfg)(to_scanned(params) if scan else params)[1]
+    cfg = model_config(variant, dtype="bfloat16")
+    g16 = grad_fn(cfg, RuntimeConfig(attention_impl=impl, scan_layers=scan))(to_scanned(params) if scan else params)[1]
     g16 = jax.tree.leaves(to_unscanned(g16) if scan else g16)  # per layer, in the unscanned leaves' order
     assert [x.shape for x in g16] == [x.shape for x in g32]
     failures = []

@@ -23,7 +23,7 @@ from flax import nnx
 
 from conftest import xla_flags
 from coupled_qk_jax import generate
-from coupled_qk_jax.config import ModelConfig
+from coupled_qk_jax.config import ModelConfig, RuntimeConfig
 from coupled_qk_jax.data.tokenizer import ByteTokenizer
 from coupled_qk_jax.errors import UserError
 from coupled_qk_jax.export import export_run, load_exported, write_export
@@ -110,7 +110,8 @@ def _edit_config(workdir, edit) -> None:
 
 def test_removed_and_added_fields_follow_the_upgrade_table(fixture_run):
     """A run from before model.coupling_lowering was removed and model.attention_chunks added: read with one note
-    each, and evaluated exactly as the run that has neither; a non-default removed value and a newer schema are one
+    for the removed field (the added one is a runtime field: its default, silently), and evaluated exactly as the
+    run that has neither; a non-default removed value and a newer schema are one
     line each. Resume compares the configs in the same schema."""
     current = json.loads((fixture_run / "config.json").read_text())
     as_is = Run.open(fixture_run).evaluate("validation")["loss"]
@@ -124,7 +125,8 @@ def test_removed_and_added_fields_follow_the_upgrade_table(fixture_run):
     run = Run.open(fixture_run)
     assert run.notes == ["model.coupling_lowering: removed from this version; the run used its last default "
                          "'batched', dropped",
-                         *ADDED_NOTES, "model.attention_chunks: not in this run, using default 0"]
+                         *ADDED_NOTES]
+    assert run.config.runtime.attention_chunks == 0
     assert run.evaluate("validation")["loss"] == as_is  # the same program on the same params: bitwise
     saved = json.loads((fixture_run / "config.json").read_text())
     assert rundir.resume_changes(saved, current, (), str(fixture_run)) == {}  # train.py would resume it
@@ -136,7 +138,7 @@ def test_removed_and_added_fields_follow_the_upgrade_table(fixture_run):
     with pytest.raises(UserError, match="coupling_lowering='vmap'"):
         rundir.resume_changes(json.loads((fixture_run / "config.json").read_text()), current, (), str(fixture_run))
     _edit_config(fixture_run, lambda cfg: cfg.update(schema_version=rundir.SCHEMA_VERSION + 1))
-    with pytest.raises(UserError, match=r"schema version 3; this code reads up to 2: the run was written by a newer"):
+    with pytest.raises(UserError, match=r"schema version 4; this code reads up to 3: the run was written by a newer"):
         Run.open(fixture_run)
 
 
@@ -485,12 +487,14 @@ def test_export_names_are_per_layer_whatever_the_layout(tmp_path):
     """A scanned model exports the unscanned model's names; the folder loads back bitwise as scanned (its config)
     and, with the config switched, as the unscanned model with each layer's slice."""
     mcfg = ModelConfig(variant="coupled_euler", vocab_size=257, max_len=16, d_model=16, n_layers=3, n_heads=2,
-                       d_ff=32, coupling_hidden=4, scan_layers=True)
-    scanned = leaves_with_names(nnx.to_pure_dict(nnx.state(TransformerLM(mcfg, 0))))
-    unscanned_names = set(_names(nnx.to_pure_dict(nnx.state(nnx.eval_shape(
-        lambda: TransformerLM(dataclasses.replace(mcfg, scan_layers=False), 0))))))
-    params = nnx.to_pure_dict(nnx.state(TransformerLM(mcfg, 0)))
-    out = write_export(tmp_path / "scanned", params, {"model": dataclasses.asdict(mcfg)}, ByteTokenizer(), step=1)
+                       d_ff=32, coupling_hidden=4)
+    scan = RuntimeConfig(scan_layers=True)
+    scanned = leaves_with_names(nnx.to_pure_dict(nnx.state(TransformerLM(mcfg, 0, scan))))
+    unscanned_names = set(_names(nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: TransformerLM(mcfg, 0))))))
+    params = nnx.to_pure_dict(nnx.state(TransformerLM(mcfg, 0, scan)))
+    out = write_export(tmp_path / "scanned", params,
+                       {"model": dataclasses.asdict(mcfg), "runtime": dataclasses.asdict(scan)}, ByteTokenizer(),
+                       step=1)
     from safetensors.numpy import load_file
 
     tensors = load_file(str(out / "model.safetensors"))
@@ -503,7 +507,7 @@ def test_export_names_are_per_layer_whatever_the_layout(tmp_path):
         np.testing.assert_array_equal(np.asarray(back[k]), scanned[k], err_msg=k)
 
     config = json.loads((out / "config.json").read_text())
-    config["model"]["scan_layers"] = False
+    config["runtime"]["scan_layers"] = False
     (out / "config.json").write_text(json.dumps(config))
     manifest = json.loads((out / "export.json").read_text())
     manifest["sha256"]["config.json"] = hashlib.sha256((out / "config.json").read_bytes()).hexdigest()

@@ -1,4 +1,4 @@
-"""Scanned layers (model.scan_layers) against the Python loop of blocks, which is the independent reference: a
+"""Scanned layers (runtime.scan_layers) against the Python loop of blocks, which is the independent reference: a
 different program (one traced block run by jax.lax.scan over stacked params vs L traced blocks) that must give the
 same numbers.
 
@@ -10,7 +10,6 @@ state saved in one layout restores in the other with the same values (orbax, and
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -20,7 +19,7 @@ import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 
-from coupled_qk_jax.config import ALL_VARIANTS, ModelConfig
+from coupled_qk_jax.config import ALL_VARIANTS, ModelConfig, RuntimeConfig
 from coupled_qk_jax.model import TransformerLM, to_scanned, to_unscanned
 from coupled_qk_jax.training import steps
 
@@ -32,10 +31,13 @@ RTOL, ATOL = 1e-5, 1e-7  # the atol floor covers gradient entries ~1e-11 (f's ou
 FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
 
-def pair(cfg: ModelConfig):
+SCANNED = RuntimeConfig(scan_layers=True)
+
+
+def pair(cfg: ModelConfig, remat: str = "none"):
     """(unscanned graphdef, scanned graphdef, unscanned params perturbed off init, a batch with masked targets)."""
-    g0, p0 = steps.split_model(TransformerLM(dataclasses.replace(cfg, scan_layers=False), 0))
-    g1, p1 = steps.split_model(TransformerLM(dataclasses.replace(cfg, scan_layers=True), 0))
+    g0, p0 = steps.split_model(TransformerLM(cfg, 0, RuntimeConfig(remat=remat)))
+    g1, p1 = steps.split_model(TransformerLM(cfg, 0, RuntimeConfig(remat=remat, scan_layers=True)))
     # Same init in both layouts, exactly.
     jax.tree.map(np.testing.assert_array_equal, to_scanned(p0), p1)
     rng = np.random.default_rng(0)
@@ -66,10 +68,10 @@ def test_scanned_equals_unscanned_loss_and_grads(variant):
     test_precision's reference, compiled once for both modules."""
     cfg = programs.model_config(variant)
     p0 = programs.trained_looking_params(cfg)
-    _, p1 = steps.split_model(TransformerLM(dataclasses.replace(cfg, scan_layers=True), 0))
+    _, p1 = steps.split_model(TransformerLM(cfg, 0, SCANNED))
     jax.tree.map(np.testing.assert_array_equal, to_scanned(steps.split_model(TransformerLM(cfg, 0))[1]), p1)
     l0, gr0 = programs.grad_fn(cfg)(p0)
-    l1, gr1 = programs.grad_fn(dataclasses.replace(cfg, scan_layers=True))(to_scanned(p0))
+    l1, gr1 = programs.grad_fn(cfg, SCANNED)(to_scanned(p0))
     assert np.isfinite(float(l0))
     np.testing.assert_allclose(float(l1), float(l0), rtol=RTOL)
     assert_same(gr0, gr1, variant)
@@ -82,7 +84,9 @@ def test_scanned_equals_unscanned_loss_and_grads(variant):
 def test_scanned_equals_unscanned_with_remat_shared_coupling_and_dropout(extra):
     """Remat policies wrap the scan body; the shared f is closed over by it; layer i's dropout key is the same key
     in both layouts (split of the step key into L + 1)."""
-    g0, g1, p0, batch = pair(ModelConfig(**{**TINY, **extra}))
+    extra = dict(extra)
+    remat = extra.pop("remat")
+    g0, g1, p0, batch = pair(ModelConfig(**{**TINY, **extra}), remat)
     key = jax.random.key(3)
     l0, gr0 = loss_and_grads(g0, p0, batch, key)
     l1, gr1 = loss_and_grads(g1, to_scanned(p0), batch, key)
@@ -120,9 +124,9 @@ def test_layout_conversion_round_trip_and_structure():
 @functools.lru_cache(maxsize=None)
 def _one_step(scan: bool):
     """A train state after one AdamW step (non-zero moments), in the given layout."""
-    cfg = ModelConfig(variant="coupled_euler", scan_layers=scan, **TINY)
+    cfg = ModelConfig(variant="coupled_euler", **TINY)
     g0, _, p0, batch = pair(cfg)
-    graphdef = nnx.split(TransformerLM(cfg, 0))[0]
+    graphdef = nnx.split(TransformerLM(cfg, 0, RuntimeConfig(scan_layers=scan)))[0]
     params = to_scanned(p0) if scan else p0
     # eps 1e-3: Adam's first step is ~lr·sign(g), which would amplify the last-bit differences of near-zero
     # gradients between the layouts; a large eps keeps the update proportional to g.

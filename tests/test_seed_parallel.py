@@ -1,5 +1,5 @@
 """Seeds as an axis of the training loop (`train.num_seeds`): with dropout on, replica i of a seed-parallel run is
-the single run with seed i (checked for i = 1 of seeds {0, 1}), also with scanned layers (`model.scan_layers`);
+the single run with seed i (checked for i = 1 of seeds {0, 1}), also with scanned layers (`runtime.scan_layers`);
 a seed-parallel run killed with SIGKILL and resumed is bitwise the uninterrupted run.
 
 The independent reference of the first test is the ordinary single-seed loop (no seed axis, no vmap). Tolerance:
@@ -98,14 +98,14 @@ def test_replica_i_is_the_single_run_with_seed_i_on_a_mesh(tmp_path):
 
 
 def test_seed_parallel_with_scanned_layers(runs):
-    """train.num_seeds=2 with model.scan_layers=True (the default from 60m up): jax.vmap over the seed axis of the
+    """train.num_seeds=2 with runtime.scan_layers=True (the default from 60m up): jax.vmap over the seed axis of the
     lax.scan over stacked layers, each layer under jax.checkpoint, dropout on. Replica 1 is the single run with seed
     1; the reference is the module's *unscanned* single run, so the check also crosses the layer layouts (the
     scanned state is converted back with model.to_unscanned). Tolerance as above: the layouts agree to float32
     rounding (tests/test_scan.py), which a few AdamW steps leave far below a wrong key or data stream."""
     root, _, (summary, state) = runs
     cfg = _cfg(root, num_seeds=2)
-    cfg.model.scan_layers = True
+    cfg.runtime.scan_layers = True
     par_summary, par_state = loop.train(cfg, str(root / "par_scan"), progress=False, return_state=True)
     assert par_summary["seeds"] == [0, 1] and par_summary["step"] == STEPS
     losses = _losses(root / "par_scan")

@@ -12,7 +12,6 @@ transforms) also run on the pure data-parallel and the fsdp x tensor meshes.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import io
 import os
@@ -29,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 from coupled_qk_jax import dynamics
 from coupled_qk_jax import sharding as shd
-from coupled_qk_jax.config import ALL_VARIANTS, ModelConfig
+from coupled_qk_jax.config import ALL_VARIANTS, ModelConfig, RuntimeConfig
 from coupled_qk_jax.model import REMAT_POLICIES, Block, TransformerLM, _run_block_output, to_scanned, to_unscanned
 from coupled_qk_jax.training import steps
 from coupled_qk_jax.training.checkpoint import abstract_target
@@ -58,14 +57,14 @@ def mesh_of(shape: tuple[int, int, int]):
 def setup(variant: str, scan: bool = False):
     """(model, graphdef, params, batch): params perturbed away from init so that every transform really acts
     (the coupling/affine output layers start at zero), and some targets masked with -100. scan=True: the same
-    values in the scanned layout (model.scan_layers)."""
+    values in the scanned layout (runtime.scan_layers)."""
     cfg = ModelConfig(variant=variant, **TINY)
     model = TransformerLM(cfg, seed=0)
     graphdef, params = steps.split_model(model)
     rng = np.random.default_rng(ALL_VARIANTS.index(variant))
     params = jax.tree.map(lambda x: np.asarray(x) + 0.05 * rng.standard_normal(x.shape).astype(np.float32), params)
     if scan:
-        model = TransformerLM(dataclasses.replace(cfg, scan_layers=True), seed=0)
+        model = TransformerLM(cfg, seed=0, runtime=RuntimeConfig(scan_layers=True))
         graphdef = nnx.split(model)[0]
         params = jax.tree.map(np.asarray, to_scanned(params))
     tokens = rng.integers(0, TINY["vocab_size"], (BATCH, SEQ + 1)).astype(np.int32)
@@ -380,7 +379,7 @@ def test_per_layer_fsdp_gather_keeps_loss_and_grads(scan):
 
 def test_gathered_weights_are_not_saved_for_the_backward_pass():
     """ZeRO-3 keeps only a weight's stored shard between the forward and the backward pass: under an fsdp mesh a
-    block run with the default remat policy (model.remat="none") saves no gathered weight. Every weight-shaped
+    block run with the default remat policy (runtime.remat="none") saves no gathered weight. Every weight-shaped
     residual is the block's argument (the shard the step holds anyway) and the backward pass re-gathers it. (jax's
     save_anything_except_these_names ignores its names: with it, every layer's gathered weights were saved.)"""
     cfg = ModelConfig(variant="coupled_euler", **TINY)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -72,8 +73,9 @@ def leaves_with_names(tree) -> dict[str, np.ndarray]:
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def test_exact_resume_is_bitwise(tmp_path):
-    """6 steps straight == 3 steps, stop (checkpoint), resume in a fresh train() for 3 more: params and losses."""
+def test_exact_resume_is_bitwise(tmp_path, capfd):
+    """6 steps straight == 3 steps, stop (checkpoint), resume in a fresh train() for 3 more: params and losses. Then
+    the same resume under another runtime (:func:`_resume_under_another_runtime`)."""
     cfg = tiny_config(tmp_path)
     cfg.model.dropout = 0.1  # exercises the per-step dropout keys, which must depend on (seed, step) only
     straight, straight_state = loop.train(cfg, str(tmp_path / "straight"), progress=False, return_state=True)
@@ -82,6 +84,7 @@ def test_exact_resume_is_bitwise(tmp_path):
     first.model.dropout = 0.1
     part, _ = loop.train(first, str(tmp_path / "resumed"), progress=False, return_state=True)
     assert part["status"] == "stopped" and part["step"] == 3 and part["checkpoint_step"] == 3
+    shutil.copytree(tmp_path / "resumed", tmp_path / "switched")  # for test_resume_under_another_runtime
     cfg2 = tiny_config(tmp_path)
     cfg2.model.dropout = 0.1
     resumed, resumed_state = loop.train(cfg2, str(tmp_path / "resumed"), progress=False, return_state=True)
@@ -110,6 +113,37 @@ def test_exact_resume_is_bitwise(tmp_path):
     with pytest.raises(UserError, match=r"other settings: model.d_model: run 32, now 64.*train.steps: run 6, now 9"):
         loop.train(other, str(tmp_path / "resumed"), progress=False)
     assert sorted(os.listdir(tmp_path / "resumed" / "checkpoints")) == before
+    _resume_under_another_runtime(tmp_path, straight, straight_state, capfd)
+
+
+def _resume_under_another_runtime(tmp_path, straight, straight_state, capfd):
+    """The same run resumed at step 3 with every runtime knob a user turns when moving hardware: scanned layers (the
+    checkpoint, saved unscanned, is converted with AdamW's moments), full remat and the XLA attention kernel. It is
+    the same function, so the run continues as the straight one to float32 rounding (the layouts' programs round
+    differently: rtol 1e-5 as in test_scan.py). The reader then opens it back in the unscanned layout."""
+    from coupled_qk_jax.model import to_unscanned
+    from coupled_qk_jax.training.run import Run
+
+    cfg = tiny_config(tmp_path)
+    cfg.model.dropout = 0.1
+    cfg.runtime.update(scan_layers=True, remat="full", attention_impl="xla")
+    capfd.readouterr()
+    resumed, state = loop.train(cfg, str(tmp_path / "switched"), progress=False, return_state=True)
+    notes = [line for line in capfd.readouterr().err.splitlines() if line.startswith("note: runtime.")]
+    assert sorted(n.split(":")[1].strip() for n in notes) == ["runtime.attention_impl", "runtime.remat",
+                                                               "runtime.scan_layers"]
+    assert resumed["step"] == 6 and state["params"]["blocks"]["attn"]["wq"].shape[0] == 2  # [L, ...]: scanned
+    a, b = leaves_with_names(straight_state), leaves_with_names(to_unscanned(state))
+    assert a.keys() == b.keys()
+    for name in a:
+        np.testing.assert_allclose(b[name], a[name], rtol=1e-5, atol=1e-7, err_msg=name)
+    losses_a = [r["train_loss"] for r in read_metrics(str(tmp_path / "straight")) if "train_loss" in r]
+    losses_b = [r["train_loss"] for r in read_metrics(str(tmp_path / "switched")) if "train_loss" in r]
+    assert losses_b[:3] == losses_a[:3]
+    np.testing.assert_allclose(losses_b[3:], losses_a[3:], rtol=1e-5)
+    run = Run.open(str(tmp_path / "switched"), runtime={"scan_layers": False, "remat": "none"}, report=False)
+    assert [n.split(":")[0] for n in run.notes] == ["runtime.remat", "runtime.scan_layers"]
+    assert run.evaluate("validation")["loss"] == pytest.approx(straight["val_loss"], rel=1e-5)
 
 
 def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(tmp_path):

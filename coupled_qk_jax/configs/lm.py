@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import ml_collections
 
-from coupled_qk_jax.config import ALL_VARIANTS, ModelConfig
+from coupled_qk_jax.config import ALL_VARIANTS, ModelConfig, RuntimeConfig
 from coupled_qk_jax.errors import UserError, did_you_mean
 from coupled_qk_jax.training.config import CheckpointConfig, DataConfig, MeshConfig, TrainConfig, configdict
 
@@ -70,7 +70,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     cfg.model = configdict(ModelConfig(
         variant=variant, vocab_size=vocab, max_len=max_len, d_model=d_model, n_layers=n_layers, n_heads=n_heads,
         d_ff=d_ff, coupling_hidden=3 * head_dim // 4, affine_hidden=3 * head_dim // 4,
-        scan_layers=not small, dtype="float32" if small else "bfloat16"))  # scanned layers from 60m up
+        dtype="float32" if small else "bfloat16"))
+    # How the model is computed (may change on resume): scanned layers from 60m up, where compile time would grow
+    # with depth.
+    cfg.runtime = configdict(RuntimeConfig(scan_layers=not small))
     if scale == "gpt2":
         cfg.model.update(norm="layernorm", attn_bias=True, dt_init=0.0)
     cfg.data = configdict(DataConfig(seq_len=max_len))

@@ -326,16 +326,24 @@ class Checkpointer:
                 paths.remove_tree(os.path.join(self.directory, name))
 
     # -- restoring ---------------------------------------------------------------------------------------------
-    def restore(self, step: int, target: dict, *, partial: bool = False) -> tuple[dict, dict]:
+    def restore(self, step: int, target: dict | Callable[[dict], tuple[dict, Callable]], *,
+                partial: bool = False) -> tuple[dict, dict]:
         """``(state, meta)`` of checkpoint ``step``: the state restored into ``target`` (a tree of
         ``jax.ShapeDtypeStruct`` with shardings: arrays come back already placed, resharded if the mesh changed)
         and verified against its stored checksums.
+
+        ``target`` may instead be a function of the checkpoint's meta record returning ``(the tree the checkpoint
+        was saved as, a function of that state -> the state wanted)``: how a state saved in another layout (scanned
+        or unscanned layers) is read. The saved tree is what is verified; the conversion runs after.
 
         ``partial``: ``target`` names only some of the saved state's top-level entries (a reader's
         ``{"params": ...}``): only their arrays are read from disk, and every saved checksum under those entries is
         checked (the others, e.g. the optimiser's moments, are neither read nor checked). Raises DamagedCheckpoint."""
         _quiet_orphaned_reads()
         meta = self.read_meta(step)
+        convert = None
+        if callable(target):
+            target, convert = target(meta)
         if partial:  # orbax reads only the leaves named in the item; StandardRestore insists on the whole tree
             args = {"state": ocp.args.PyTreeRestore(item=target, partial_restore=True,
                                                     restore_args=ocp.checkpoint_utils.construct_restore_args(target))}
@@ -355,9 +363,10 @@ class Checkpointer:
         if bad or missing:
             names = bad or missing
             raise DamagedCheckpoint(f"{len(names)} array(s) differ from their saved checksums, e.g. {names[0]}")
-        return state, meta
+        return (state if convert is None else convert(state)), meta
 
-    def restore_newest_intact(self, target: dict, on_damaged: Callable[[int, str], None] | None = None, *,
+    def restore_newest_intact(self, target: dict | Callable[[dict], tuple[dict, Callable]],
+                              on_damaged: Callable[[int, str], None] | None = None, *,
                               partial: bool = False) -> tuple[int, dict, dict] | None:
         """``(step, state, meta)`` of the newest checkpoint that restores and verifies, or None when there is no
         checkpoint at all. Each damaged newer step is reported with a one-line warning on stderr and passed to

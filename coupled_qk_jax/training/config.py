@@ -8,7 +8,8 @@ directory's config.json). :meth:`RunConfig.from_configdict` turns it into typed 
     data        DataConfig        corpus, tokenizer, token cache, sequence length
     checkpoint  CheckpointConfig  save cadence (steps, seconds) and retention
     mesh        MeshConfig        (data, fsdp, tensor) sizes, -1 = fill
-    model       ModelConfig       (coupled_qk_jax/config.py)
+    model       ModelConfig       the function: shapes, variant, dynamics (coupled_qk_jax/config.py)
+    runtime     RuntimeConfig     how it is computed: remat, layer layout, attention kernel (same module)
     mqar        MQARConfig        the MQAR task's level and segment sizes (task = "mqar" only)
 
 The dataclasses hold every default; the config files set only what differs (``configdict`` makes the ConfigDict
@@ -29,7 +30,7 @@ from typing import Any, Mapping
 
 import ml_collections
 
-from coupled_qk_jax.config import ModelConfig
+from coupled_qk_jax.config import ModelConfig, RuntimeConfig
 from coupled_qk_jax.errors import UserError, did_you_mean
 
 TASKS = ("lm", "mqar", "glue")
@@ -339,6 +340,7 @@ class RunConfig:
     task: str = "lm"
     scale: str = ""  # configs/lm.py's scale name, reported in summary.json
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    runtime: RuntimeConfig = dataclasses.field(default_factory=RuntimeConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
@@ -360,15 +362,17 @@ class RunConfig:
     def from_configdict(cls, cfg: Mapping[str, Any]) -> "RunConfig":
         """The typed config of a ConfigDict (or its dict form); every mistake is a one-line UserError."""
         values = cfg.to_dict() if hasattr(cfg, "to_dict") else dict(cfg)
-        known = ["task", "scale", "model", *BLOCKS]
+        known = ["task", "scale", "model", "runtime", *BLOCKS]
         for name in values:
             if name not in known:
                 raise UserError(f"config: unknown block {name!r}{did_you_mean(name, known)}; known blocks are "
                                 f"{', '.join(known)}")
         try:
             model = ModelConfig.from_dict(values.get("model", {}))
-        except ValueError as e:  # raised only by ModelConfig's own field checks
+            runtime = RuntimeConfig.from_dict(values.get("runtime", {}))
+        except ValueError as e:  # raised only by the field checks of coupled_qk_jax/config.py
             raise UserError(str(e)) from None
         blocks = {name: kind.from_dict(values[name]) for name, kind in BLOCKS.items() if name in values}
         return cls(task=_typed("config", "task", values.get("task", "lm"), str),
-                   scale=_typed("config", "scale", values.get("scale", ""), str), model=model, **blocks)
+                   scale=_typed("config", "scale", values.get("scale", ""), str), model=model, runtime=runtime,
+                   **blocks)

@@ -3,7 +3,7 @@ device mesh, the optimiser and the train state's abstract shapes and shardings o
 
     mesh = make_mesh(run)                               # training: the config's mesh block, checked against the run
     mesh = reader_mesh("data:2")                        # reading: any mesh over this process's (or every) device
-    layout = state_layout(run.model, run.train, run.train.seeds, mesh)
+    layout = state_layout(run.model, run.train, run.train.seeds, mesh, runtime=run.runtime)
 
 Each is built once per start and handed down; nothing here holds device memory.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -21,11 +21,12 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from coupled_qk_jax import sharding as shd
-from coupled_qk_jax.config import ModelConfig
+from coupled_qk_jax.config import ModelConfig, RuntimeConfig
 from coupled_qk_jax.errors import UserError
-from coupled_qk_jax.model import TransformerLM
+from coupled_qk_jax.model import TransformerLM, to_scanned, to_unscanned
 from coupled_qk_jax.training import optimizer as opt_lib
-from coupled_qk_jax.training import tasks
+from coupled_qk_jax.training import rundir, tasks
+from coupled_qk_jax.training.checkpoint import abstract_target
 from coupled_qk_jax.training.config import RunConfig, TrainConfig
 from coupled_qk_jax.training.early_stop import EarlyStop
 from coupled_qk_jax.training.steps import init_train_state, split_model
@@ -123,10 +124,12 @@ class StateLayout:
 
 
 def state_layout(mcfg: ModelConfig, train_cfg: TrainConfig, seeds: list[int], mesh: Mesh,
-                 lr_extensions: tuple[tuple[int, int], ...] = ()) -> StateLayout:
-    """The abstract model, optimiser and shardings of a run with ``seeds`` on ``mesh``. With several seeds every
-    leaf gets a leading seed axis [S, ...], replicated over the mesh: each seed is sharded as a single run."""
-    abstract_model = nnx.eval_shape(lambda: TransformerLM(mcfg, seeds[0]))
+                 lr_extensions: tuple[tuple[int, int], ...] = (), *,
+                 runtime: RuntimeConfig = RuntimeConfig()) -> StateLayout:
+    """The abstract model, optimiser and shardings of a run with ``seeds`` on ``mesh``, its layers laid out as
+    ``runtime`` says. With several seeds every leaf gets a leading seed axis [S, ...], replicated over the mesh: each
+    seed is sharded as a single run."""
+    abstract_model = nnx.eval_shape(lambda: TransformerLM(mcfg, seeds[0], runtime))
     graphdef, abstract_params = split_model(abstract_model)
     tx = opt_lib.make_optimizer(abstract_params, train_cfg, lr_extensions)
     abstract_state = jax.eval_shape(lambda p: init_train_state(p, tx), abstract_params)
@@ -138,3 +141,31 @@ def state_layout(mcfg: ModelConfig, train_cfg: TrainConfig, seeds: list[int], me
         shardings = jax.tree.map(lambda sh: NamedSharding(mesh, P(None, *sh.spec)), shardings)
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(abstract_params))
     return StateLayout(graphdef, abstract_state, shardings, param_shardings, tx, n_params)
+
+
+def restore_target(abstract_state: dict, shardings: dict, mcfg: ModelConfig, runtime: RuntimeConfig,
+                   train_cfg: TrainConfig, seeds: list[int], mesh: Mesh,
+                   entries: tuple[str, ...] = ("params", "opt_state", "step"),
+                   ) -> Callable[[dict[str, Any]], tuple[dict, Callable[[dict], dict]]]:
+    """What Checkpointer.restore reads a checkpoint into, for a state wanted as ``abstract_state`` in ``shardings``
+    (a StateLayout's, of ``runtime``), as a function of the checkpoint's meta record: its config says which layer
+    layout it was saved in. A checkpoint of the other layout (runtime.scan_layers changed since) is read in its own
+    and converted (model.to_scanned / to_unscanned, AdamW's moments alike) into ``shardings``. ``entries``: the
+    state's top-level entries to read (a reader's ``("params",)``)."""
+    def pick(tree: dict) -> dict:
+        return {k: tree[k] for k in entries}
+
+    def target_for(meta: dict[str, Any]) -> tuple[dict, Callable[[dict], dict]]:
+        saved_runtime = rundir.upgrade_config(meta["config"])[0].get("runtime", {})
+        saved_scanned = bool(saved_runtime.get("scan_layers", False))
+        if saved_scanned == runtime.scan_layers:
+            return abstract_target(pick(abstract_state), pick(shardings)), lambda state: state
+        saved = state_layout(mcfg, train_cfg, seeds, mesh,
+                             runtime=dataclasses.replace(runtime, scan_layers=saved_scanned))
+        convert = to_scanned if runtime.scan_layers else to_unscanned
+        if len(seeds) > 1:  # each seed's state is converted alone (the leading axis is the seed's, not a layer's)
+            convert = jax.vmap(convert)
+        return (abstract_target(pick(saved.abstract_state), pick(saved.shardings)),
+                jax.jit(convert, out_shardings=pick(shardings)))
+
+    return target_for

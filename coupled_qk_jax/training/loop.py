@@ -55,10 +55,10 @@ from coupled_qk_jax.model import TransformerLM
 from coupled_qk_jax.training import observe
 from coupled_qk_jax.training import optimizer as opt_lib
 from coupled_qk_jax.training import loop_parts, rundir, tasks
-from coupled_qk_jax.training.checkpoint import Checkpointer, abstract_target
+from coupled_qk_jax.training.checkpoint import Checkpointer
 from coupled_qk_jax.training.config import RunConfig
 from coupled_qk_jax.training.early_stop import EarlyStop
-from coupled_qk_jax.training.layout import make_mesh, state_layout
+from coupled_qk_jax.training.layout import make_mesh, restore_target, state_layout
 from coupled_qk_jax.training.loop_parts import (
     Cadence, LossWindow, SavePolicy, ThroughputMeter, first_nonfinite)
 from coupled_qk_jax.training.steps import init_train_state, make_train_step, split_model
@@ -165,8 +165,9 @@ def prepare_data(run: RunConfig, config_json: dict[str, Any], workdir: str,
     any other data difference (tokenizer, token counts and hashes) after."""
     saved_cfg = rundir.run_config(workdir)
     changes = rundir.resume_changes(saved_cfg, config_json, allow_change, workdir) if saved_cfg else {}
-    if saved_cfg and jax.process_index() == 0:  # a run started by an older version: what reading it assumed
-        for note in rundir.upgrade_config(saved_cfg)[1]:
+    if saved_cfg and jax.process_index() == 0:  # a run started by an older version: what reading it assumed; and
+        # what this start computes differently (the runtime block may change freely)
+        for note in rundir.upgrade_config(saved_cfg)[1] + rundir.runtime_notes(saved_cfg, config_json):
             print(f"note: {note}", file=sys.stderr, flush=True)
     saved = rundir.read_json(os.path.join(workdir, rundir.DATA))
     task = tasks.task_class(run.task)
@@ -219,13 +220,13 @@ class Setup:
         """A fresh train state, created by one jitted function directly in its shardings (one compile instead of
         one per eager init op, and no full copy on a single device first). Seed i's params are exactly
         ``TransformerLM(mcfg, seeds[i])``'s, as in the single run with that seed."""
-        mcfg, seeds, tx = self.mcfg, self.seeds, self.tx
+        mcfg, seeds, tx, runtime = self.mcfg, self.seeds, self.tx, self.config.runtime
         loaded = self._initial_tensors()
 
         def init(loaded):
             states = []
             for seed in seeds:
-                params = split_model(TransformerLM(mcfg, seed))[1]
+                params = split_model(TransformerLM(mcfg, seed, runtime))[1]
                 if loaded:  # train.init_from: the source's tensors replace the fresh ones of the same name
                     leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
                     params = treedef.unflatten([loaded.get(param_name(p), x) for p, x in leaves])
@@ -241,7 +242,7 @@ class Setup:
         source = self.config.train.init_from
         if not source:
             return {}
-        tensors = initial_tensors(source, self.mcfg)
+        tensors = initial_tensors(source, self.mcfg, self.config.runtime)
         abstract = jax.tree_util.tree_flatten_with_path(self.abstract_state["params"])[0]
         if len(self.seeds) > 1:  # the state's leading seed axis is not the model's
             abstract = [(p, jax.ShapeDtypeStruct(x.shape[1:], x.dtype)) for p, x in abstract]
@@ -281,7 +282,7 @@ def setup(run: RunConfig, workdir: str, cache: Any = None, *, read_only: bool = 
     task = tasks.make_task(run, mesh.shape["data"] * mesh.shape["fsdp"], workdir, cache)
     seeds = run.train.seeds
     # Shapes only: the abstract model carries the logical-axis metadata that the shardings are read from.
-    layout = state_layout(mcfg, run.train, seeds, mesh)
+    layout = state_layout(mcfg, run.train, seeds, mesh, runtime=run.runtime)
     checkpointer = _checkpointer(run, os.path.join(workdir, "checkpoints"), read_only)
     return Setup(run, mesh, cache, task, seeds, layout.graphdef, layout.abstract_state, layout.tx, layout.shardings,
                  layout.n_params, checkpointer)
@@ -413,8 +414,9 @@ def _restore_or_init(s: Setup, config_json: dict[str, Any], workdir: str,
     """(state, meta of the restored checkpoint or {}). The newest intact checkpoint is used; newer damaged ones are
     moved to WORKDIR/damaged_checkpoints (named in a warning), never deleted."""
     damaged: list[int] = []
-    found = s.checkpointer.restore_newest_intact(abstract_target(s.abstract_state, s.shardings),
-                                                 on_damaged=lambda step, _: damaged.append(step))
+    target = restore_target(s.abstract_state, s.shardings, s.mcfg, s.config.runtime, s.config.train, s.seeds,
+                            s.mesh)
+    found = s.checkpointer.restore_newest_intact(target, on_damaged=lambda step, _: damaged.append(step))
     if damaged:  # out of the manager's sight, or the resumed run would save into the damaged step's name
         s.checkpointer.close()
         if jax.process_index() == 0:

@@ -39,9 +39,9 @@ from coupled_qk_jax.config import ModelConfig
 from coupled_qk_jax.errors import UserError
 from coupled_qk_jax.model import TransformerLM
 from coupled_qk_jax.training import rundir, tasks
-from coupled_qk_jax.training.checkpoint import Checkpointer, DamagedCheckpoint, abstract_target
+from coupled_qk_jax.training.checkpoint import Checkpointer, DamagedCheckpoint
 from coupled_qk_jax.training.config import RunConfig
-from coupled_qk_jax.training.layout import StateLayout, reader_mesh, state_layout
+from coupled_qk_jax.training.layout import StateLayout, reader_mesh, restore_target, state_layout
 from coupled_qk_jax.training.writers import summary_metrics
 
 CHECKPOINTS = "checkpoints"
@@ -93,10 +93,13 @@ class Run:
 
     @classmethod
     def open(cls, workdir: str | os.PathLike[str], *, mesh: str | Mapping[str, int] | Mesh | None = None,
-             config: ml_collections.ConfigDict | None = None, report: bool = True) -> "Run":
+             config: ml_collections.ConfigDict | None = None, runtime: Mapping[str, Any] | None = None,
+             report: bool = True) -> "Run":
         """Open ``workdir`` (a train.py run directory). ``config``, when given, must agree with the run in every
-        field that changes what is evaluated (rundir.check_eval_config). With ``report`` the upgrade notes are
-        printed once, on stderr. Raises UserError (not a run directory, a removed field set to a non-default
+        field that changes what is evaluated (rundir.check_eval_config); its ``runtime`` block is how the model is
+        computed here. ``runtime``: fields of that block to use (e.g. ``{"attention_impl": "explicit"}``), over
+        both; the checkpoints are read in whichever layer layout they were saved and converted. With ``report`` the
+        upgrade and runtime notes are printed once, on stderr. Raises UserError (not a run directory, a removed field set to a non-default
         value, a damaged tokenizer or split)."""
         workdir = paths.resolve(workdir)  # a local path made absolute; a gs:// URL as given
         saved = rundir.run_config(workdir)
@@ -106,6 +109,11 @@ class Run:
         upgraded, notes = rundir.upgrade_config(saved)
         if config is not None:
             notes += rundir.check_eval_config(upgraded, config.to_dict(), workdir)
+            runtime = {**rundir.upgrade_config(config.to_dict())[0].get("runtime", {}), **(runtime or {})}
+        if runtime:  # how to compute the run's model here: any values, one note per change
+            wanted = {**upgraded, "runtime": {**upgraded["runtime"], **runtime}}
+            notes += rundir.runtime_notes(upgraded, wanted)
+            upgraded = wanted
         cfg = ml_collections.ConfigDict(upgraded)
         typed = RunConfig.from_configdict(cfg)
         mcfg, seeds = typed.model, typed.train.seeds
@@ -121,7 +129,7 @@ class Run:
             for note in notes:
                 print(f"note: {note}", file=sys.stderr, flush=True)
         return cls(workdir, cfg, typed, mcfg, mesh, data, fingerprint, seeds,
-                   state_layout(mcfg, typed.train, seeds, mesh), steps, notes)
+                   state_layout(mcfg, typed.train, seeds, mesh, runtime=typed.runtime), steps, notes)
 
     # -- what the run is ---------------------------------------------------------------------------------------
     @property
@@ -152,8 +160,9 @@ class Run:
         (see the module docstring). The last restore is kept."""
         if self._restored is not None and step in (self._restored[0], self._restored[1]):
             return self._restored[1], self._restored[2]
-        target = abstract_target({"params": self.layout.abstract_state["params"]},
-                                 {"params": self.layout.shardings["params"]})
+        run = self.config
+        target = restore_target(self.layout.abstract_state, self.layout.shardings, run.model, run.runtime, run.train,
+                                self.seeds, self.mesh, ("params",))
         directory = os.path.join(self.workdir, CHECKPOINTS)
         with _checkpointer(directory) as ck:
             if step is None:

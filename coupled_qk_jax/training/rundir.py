@@ -16,8 +16,9 @@ Layout (``WORKDIR``; process 0 writes, every file atomically)::
     metrics.jsonl, tb/, summary.json     training/writers.py
     eval/             eval.py's results, eval_<split>_step<step>.json (or under eval.py --out)
 
-Resume rules (:func:`resume_changes`): a field of :data:`RUNTIME_FIELDS` may differ freely (it changes no
-result); ``data.corpus`` / ``data.tokenizer_path`` may point elsewhere when the files there match the fingerprint;
+Resume rules (:func:`resume_changes`): a field of :data:`RUNTIME_FIELDS` (the ``runtime`` block, the mesh, ...)
+may differ freely, with a note each (it changes no result; a checkpoint saved with the other layer layout is
+converted on restore); ``data.corpus`` / ``data.tokenizer_path`` may point elsewhere when the files there match the fingerprint;
 a field of :data:`CHANGEABLE_FIELDS` may differ only when named in ``--allow_change`` (recorded in history.jsonl);
 every other field (model, data, batch size, seed, optimiser, schedule shape...) must equal the run's.
 
@@ -42,6 +43,7 @@ from typing import Any
 import numpy as np
 
 from coupled_qk_jax import paths
+from coupled_qk_jax.config import RUNTIME_FIELD_NAMES, ModelConfig, RuntimeConfig
 from coupled_qk_jax.data.corpora import SPLITS, CorpusSpec
 from coupled_qk_jax.data.tokenizer import BPETokenizer, ByteTokenizer, Tokenizer
 from coupled_qk_jax.errors import UserError, did_you_mean
@@ -52,9 +54,12 @@ CONFIG, DATA, TOKENIZER, HISTORY, LOCK, HELD_OUT = (
     "config.json", "data.json", "tokenizer.json", "history.jsonl", "lock", "heldout")
 HELD_OUT_SPLITS = ("validation", "test")
 
-# Fields that change no result: free to differ on resume and in eval.py's --config.
+# Fields that change no result: free to differ on resume and in eval.py's --config. The runtime block's are also
+# noted when they change (how a run computes is worth a line in its log; where its cache is is not).
+RUNTIME_BLOCK_FIELDS = frozenset(f"runtime.{name}" for name in RUNTIME_FIELD_NAMES)
 RUNTIME_FIELDS = frozenset({"data.cache_dir", "data.num_threads", "mesh.data", "mesh.fsdp", "mesh.tensor",
-                            "mesh.dcn_data", "mesh.dcn_fsdp", "checkpoint.async_save", "train.stop_after"})
+                            "mesh.dcn_data", "mesh.dcn_fsdp", "checkpoint.async_save", "train.stop_after",
+                            *RUNTIME_BLOCK_FIELDS})
 # Where the data is, not what it is: checked through the data fingerprint instead of by value.
 FINGERPRINTED_FIELDS = frozenset({"data.corpus", "data.tokenizer_path"})
 # Fields added to the configs after runs existed, with the value that means what those runs did: a run whose
@@ -74,13 +79,15 @@ ADDED_FIELDS = {"train.early_stop.metric": "", "train.early_stop.mode": "max", "
 # Fields the code no longer has, with their last default: a run that used it is read (resumed, evaluated) as if the
 # field had never existed; a run that set another value is refused (this version cannot reproduce its results).
 REMOVED_FIELDS = {"model.coupling_lowering": "batched"}  # removed in ab94b09 (one lowering of f over heads)
-# config.json's schema: written as its "schema_version" key. 1: no key (every run before the key existed).
-SCHEMA_VERSION, SCHEMA_KEY = 2, "schema_version"
+# config.json's schema: written as its "schema_version" key. 1: no key (every run before the key existed). 3: the
+# runtime block, whose fields were model.* fields before (read from there in older runs).
+SCHEMA_VERSION, SCHEMA_KEY = 3, "schema_version"
 # What an evaluation depends on: eval.py --config may differ from the run elsewhere (it is ignored there, with a note).
 EVAL_FIELDS = ("task", "model.", "data.", "mqar.")
 # Meaningful to change on resume; each needs --allow_change=FIELD and is recorded in history.jsonl. The stopping
-# rule (train.early_stop.*) is among them: a stopped run is a prefix of the full one.
-CHANGEABLE_FIELDS = ("train.steps", "train.log_every", "train.eval_every", "train.eval_batches",
+# rule (train.early_stop.*) is among them: a stopped run is a prefix of the full one; so is the compute dtype, which
+# changes the numbers but not the function (moving a run between hardware).
+CHANGEABLE_FIELDS = ("model.dtype", "train.steps", "train.log_every", "train.eval_every", "train.eval_batches",
                      "train.eval_batch_size", "checkpoint.every", "checkpoint.every_seconds", "checkpoint.keep_last",
                      "checkpoint.keep_every", "checkpoint.keep_best", *(k for k in ADDED_FIELDS if k.startswith("train.early_stop.")))
 _ABSENT = "<absent>"
@@ -230,6 +237,13 @@ def resume_changes(saved: dict[str, Any], new: dict[str, Any], allow_change: Seq
     return {k: v for k, v in diffs.items() if k in CHANGEABLE_FIELDS}
 
 
+def runtime_notes(saved: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """One line per ``runtime.*`` field that ``new`` computes differently from ``saved`` (both in any schema)."""
+    diffs = config_differences(upgrade_config(saved)[0], upgrade_config(new)[0])
+    return [f"{k}: the run's {a!r}, now {b!r} (how the model is computed, not what it computes)"
+            for k, (a, b) in diffs.items() if k in RUNTIME_BLOCK_FIELDS]
+
+
 def check_eval_config(run_cfg: dict[str, Any], given: dict[str, Any], workdir: str) -> list[str]:
     """eval.py --config must agree with the run in every field that changes what is evaluated (:data:`EVAL_FIELDS`;
     runtime fields aside); the others are ignored, one note each (returned). The run's own config needs no
@@ -263,10 +277,10 @@ def upgrade_config(saved: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
       :data:`RUNTIME_FIELDS` one, e.g. the mesh's slices).
     * A field this code removed (:data:`REMOVED_FIELDS`) is dropped with a note if the run held its last default;
       any other value is a UserError (the run's results would differ under this code).
+    * The runtime fields that an older run recorded under ``model`` move to the ``runtime`` block; a run without
+      one gets RuntimeConfig's defaults there, silently (they change no result).
     * A run written by a newer schema than this code reads is a UserError.
     """
-    from coupled_qk_jax.config import ModelConfig  # noqa: PLC0415
-
     version = saved.get(SCHEMA_KEY, 1)
     if not isinstance(version, int) or version > SCHEMA_VERSION:
         raise UserError(f"config.json has schema version {version!r}; this code reads up to {SCHEMA_VERSION}: the "
@@ -281,12 +295,17 @@ def upgrade_config(saved: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
                                 f"default was {last!r}), so it cannot reproduce the run; use the commit that trained "
                                 f"it (history.jsonl)")
             notes.append(f"{name}: removed from this version; the run used its last default {last!r}, dropped")
+    for name in RUNTIME_FIELD_NAMES:
+        if f"model.{name}" in flat:
+            flat[f"runtime.{name}"] = flat.pop(f"model.{name}")
     added = dict(ADDED_FIELDS)
     if "model" in saved:
         for f in dataclasses.fields(ModelConfig):
             added.setdefault(f"model.{f.name}", f.default)
+        for f in dataclasses.fields(RuntimeConfig):
+            added.setdefault(f"runtime.{f.name}", f.default)
     for name, value in added.items():
-        if name.split(".")[0] in saved and name not in flat:
+        if (name.split(".")[0] in saved or name in RUNTIME_BLOCK_FIELDS) and name not in flat:
             flat[name] = value
             if name not in RUNTIME_FIELDS:  # how a run is laid out on devices says nothing about what it did
                 notes.append(f"{name}: not in this run, using default {value!r}")
