@@ -41,7 +41,7 @@ import numpy as np  # noqa: E402
 
 from coupled_qk_jax import kernels, sharding as shd  # noqa: E402
 from coupled_qk_jax.kernels import attend as causal_attention  # noqa: E402
-from coupled_qk_jax.config import ALL_VARIANTS, ModelConfig  # noqa: E402
+from coupled_qk_jax.config import ALL_VARIANTS, ModelConfig, RuntimeConfig  # noqa: E402
 from coupled_qk_jax.model import TransformerLM  # noqa: E402
 from coupled_qk_jax.training import steps  # noqa: E402
 from coupled_qk_jax.training.config import TrainConfig  # noqa: E402
@@ -171,15 +171,16 @@ def part_step(scale: str, variant: str, small: bool) -> dict:
 
     base = lm.get_config(f"{variant},{scale}")
     cfg = dataclasses.replace(ModelConfig.from_dict(base.model.to_dict()), dtype="bfloat16")
+    runtime = RuntimeConfig.from_dict(base.runtime.to_dict())  # the preset's layout, remat and kernel
     batch, seq = 16, int(base.data.seq_len)
     if small:
         cfg, batch, seq = dataclasses.replace(cfg, n_layers=2, d_model=64, n_heads=4, d_ff=128, vocab_size=256,
                                               max_len=64, coupling_hidden=12, affine_hidden=12), 2, 64
-    graphdef, params = steps.split_model(TransformerLM(cfg, 0))
+    graphdef, params = steps.split_model(TransformerLM(cfg, 0, runtime))
     tx = optimizer.make_optimizer(params, TrainConfig.from_dict(base.train))
     mesh = shd.make_mesh({"data": -1, "fsdp": 1, "tensor": 1})
     state = steps.init_train_state(params, tx)
-    shardings = shd.train_state_shardings(TransformerLM(cfg, 0), tx, state, mesh)
+    shardings = shd.train_state_shardings(TransformerLM(cfg, 0, runtime), tx, state, mesh)
     state = jax.device_put(state, shardings)
     train_step = steps.make_train_step(graphdef, tx)
     step = shd.jit_sharded(lambda s, b: train_step(s, b, jax.random.key(0)), mesh, shardings, donate=True)

@@ -18,7 +18,9 @@ batch 8, vocab 8192, LayerNorm, MLP 4·d, f hidden 4·d_head (`--scales tiny-pee
 variant options still override them).
 
 Variant specs may carry options after a colon, e.g. `coupled_euler:n_steps=7:scan_unroll=7` or
-`standard:remat=dots`; any ModelConfig field can be set this way (values are parsed as Python literals).
+`standard:remat=dots`; any ModelConfig or RuntimeConfig field can be set this way (values are parsed as Python
+literals; a runtime field such as remat, scan_unroll, attention_impl or dynamics_backward goes to the runtime block,
+any other to the model's).
 
 Memory. `peak_mem_mb` is XLA's own accounting of the compiled step (arguments + outputs + temporaries − aliased,
 from `compiled.memory_analysis()`), which is per variant even when several share one process; the device's
@@ -45,7 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from coupled_qk_jax.config import ModelConfig
+from coupled_qk_jax.config import RUNTIME_FIELD_NAMES, ModelConfig, RuntimeConfig
 from coupled_qk_jax.configs import lm
 from coupled_qk_jax.model import TransformerLM, count_params
 from coupled_qk_jax.training.config import TrainConfig
@@ -152,19 +154,21 @@ class Case:
         self.spec, self.scale = spec, scale
         variant, overrides = parse_variant_spec(spec)
         cfg = scale_config(variant, scale)
-        model_fields = dict(cfg.model)
+        model_fields, runtime_fields = dict(cfg.model), dict(cfg.runtime)
         for name in ("n_steps", "scan_unroll", "remat", "dtype", "attention_impl"):
             value = getattr(args, name)
             if value is not None:
-                model_fields[name] = value
-        model_fields.update(overrides)
+                (runtime_fields if name in RUNTIME_FIELD_NAMES else model_fields)[name] = value
+        for name, value in overrides.items():
+            (runtime_fields if name in RUNTIME_FIELD_NAMES else model_fields)[name] = value
         self.batch = args.batch or cfg.train.batch_size
         self.seq = args.seq or cfg.model.max_len
         model_fields["max_len"] = max(model_fields["max_len"], self.seq)
         self.cfg = ModelConfig.from_dict(model_fields)
+        self.runtime = RuntimeConfig.from_dict(runtime_fields)
         train_cfg = TrainConfig.from_dict(cfg.train)
 
-        model = TransformerLM(self.cfg, 0)
+        model = TransformerLM(self.cfg, 0, self.runtime)
         self.n_params = count_params(model)
         graphdef, params = split_model(model)
         del model
@@ -261,9 +265,9 @@ def make_records(scale: str, cases: dict[str, Case], args: argparse.Namespace, r
             # step; recorded beside the median ratio as a robustness check.
             "ratio_vs_standard_min": (min(c.times) / std_min if std_min else None),
             "params": c.n_params, "batch": c.batch, "seq": c.seq,
-            "n_steps": c.cfg.n_steps, "scan_unroll": c.cfg.scan_unroll, "remat": c.cfg.remat,
+            "n_steps": c.cfg.n_steps, "scan_unroll": c.runtime.scan_unroll, "remat": c.runtime.remat,
             "dtype": c.cfg.dtype,
-            "dynamics_backward": c.cfg.dynamics_backward,
+            "dynamics_backward": c.runtime.dynamics_backward,
             "backend": backend, "device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
             "load_median": statistics.median(c.loads), "load_max": max(c.loads), "final_loss": c.last_loss,
         })

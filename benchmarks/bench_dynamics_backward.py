@@ -1,4 +1,4 @@
-"""The dynamics' backward pass (`model.dynamics_backward`): compiled memory, FLOPs and reconstruction drift.
+"""The dynamics' backward pass (`runtime.dynamics_backward`): compiled memory, FLOPs and reconstruction drift.
 
     python benchmarks/bench_dynamics_backward.py --scale tiny --out benchmarks/results/cpu_dynamics_backward.md
 
@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from coupled_qk_jax import dynamics
-from coupled_qk_jax.config import ModelConfig
+from coupled_qk_jax.config import ModelConfig, RuntimeConfig
 from coupled_qk_jax.configs import lm
 from coupled_qk_jax.model import TransformerLM
 from coupled_qk_jax.training.config import TrainConfig
@@ -35,9 +35,9 @@ from coupled_qk_jax.training.optimizer import make_optimizer
 from coupled_qk_jax.training.steps import init_train_state, make_train_step, split_model
 
 
-def compiled_step(cfg: ModelConfig, train_cfg: TrainConfig, batch: int, seq: int):
+def compiled_step(cfg: ModelConfig, runtime: RuntimeConfig, train_cfg: TrainConfig, batch: int, seq: int):
     """The jitted, donated train step of bench_attention.py, lowered and compiled on abstract inputs."""
-    graphdef, params = split_model(TransformerLM(cfg, 0))
+    graphdef, params = split_model(TransformerLM(cfg, 0, runtime))
     tx = make_optimizer(params, train_cfg)
     state = jax.eval_shape(lambda p: init_train_state(p, tx), params)
     tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
@@ -47,9 +47,10 @@ def compiled_step(cfg: ModelConfig, train_cfg: TrainConfig, batch: int, seq: int
 
 def memory_row(variant: str, n_steps: int, backward: str, args) -> dict:
     cfg = lm.get_config(f"{variant},{args.scale}")
-    fields = dict(cfg.model, n_steps=n_steps, dynamics_backward=backward, dtype=args.dtype)
+    fields = dict(cfg.model, n_steps=n_steps, dtype=args.dtype)
+    runtime = RuntimeConfig.from_dict(dict(cfg.runtime, dynamics_backward=backward))
     batch, seq = args.batch or cfg.train.batch_size, cfg.model.max_len
-    compiled = compiled_step(ModelConfig.from_dict(fields), TrainConfig.from_dict(cfg.train), batch, seq)
+    compiled = compiled_step(ModelConfig.from_dict(fields), runtime, TrainConfig.from_dict(cfg.train), batch, seq)
     m = compiled.memory_analysis()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost  # a list of dicts on older jax

@@ -23,6 +23,7 @@ import time
 import jax
 import jax.numpy as jnp
 
+from coupled_qk_jax.config import RuntimeConfig
 from coupled_qk_jax.configs.lm import get_config
 from coupled_qk_jax.generate import Generator, Sampling, init_cache
 from coupled_qk_jax.model import TransformerLM, count_params
@@ -32,10 +33,11 @@ SAMPLING = Sampling(temperature=1.0, top_k=50)
 
 
 def bench(variant: str, scale: str, batch: int, prompt_len: int, steps: int, repeats: int) -> dict:
-    mcfg = model_config(get_config(f"{variant},{scale}"))
+    config = get_config(f"{variant},{scale}")
+    mcfg = model_config(config)
     if prompt_len + steps > mcfg.max_len:
         raise SystemExit(f"error: prompt_len + steps = {prompt_len + steps} exceeds model.max_len={mcfg.max_len}")
-    model = TransformerLM(mcfg, 0)
+    model = TransformerLM(mcfg, 0, RuntimeConfig.from_dict(config.runtime.to_dict()))  # the preset's layout
     gen = Generator(model)
     key = jax.random.key(0)
     prompts = jax.random.randint(key, (batch, prompt_len), 0, mcfg.vocab_size, jnp.int32)

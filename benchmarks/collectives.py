@@ -27,7 +27,7 @@ import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from coupled_qk_jax import sharding as shd  # noqa: E402
-from coupled_qk_jax.config import ModelConfig  # noqa: E402
+from coupled_qk_jax.config import ModelConfig, RuntimeConfig  # noqa: E402
 from coupled_qk_jax.configs import lm  # noqa: E402
 from coupled_qk_jax.model import TransformerLM  # noqa: E402
 from coupled_qk_jax.training import steps  # noqa: E402
@@ -36,8 +36,9 @@ MESHES = [(8, 1, 1), (1, 8, 1), (2, 2, 2), (1, 4, 2), (2, 1, 4)]
 FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
 
-def step_traffic(cfg: ModelConfig, shape: tuple[int, int, int], batch: int, seq: int, gather: bool) -> dict:
-    abstract = nnx.eval_shape(lambda: TransformerLM(cfg, 0))
+def step_traffic(cfg: ModelConfig, runtime: RuntimeConfig, shape: tuple[int, int, int], batch: int, seq: int,
+                 gather: bool) -> dict:
+    abstract = nnx.eval_shape(lambda: TransformerLM(cfg, 0, runtime))
     graphdef, state = nnx.split(abstract)
     params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), nnx.to_pure_dict(state))
     mesh = shd.make_mesh(dict(zip(shd.MESH_AXES, shape)))
@@ -61,7 +62,7 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--variants", default="standard,coupled_euler")
-    p.add_argument("--scan", action="store_true", help="scanned layers (model.scan_layers)")
+    p.add_argument("--scan", action="store_true", help="scanned layers (runtime.scan_layers)")
     p.add_argument("--meshes", default=",".join("x".join(map(str, m)) for m in MESHES), help="e.g. 1x8x1,1x4x2")
     args = p.parse_args(argv)
     print(f"scale {args.scale} width, {args.layers} layers, batch {args.batch}; "
@@ -70,12 +71,12 @@ def main(argv=None) -> int:
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for variant in args.variants.split(","):
         c = lm.get_config(f"{variant},{args.scale}")
-        cfg = dataclasses.replace(ModelConfig.from_dict(c.model.to_dict()), n_layers=args.layers, dtype="bfloat16",
-                                  scan_layers=args.scan)
+        cfg = dataclasses.replace(ModelConfig.from_dict(c.model.to_dict()), n_layers=args.layers, dtype="bfloat16")
+        runtime = dataclasses.replace(RuntimeConfig.from_dict(c.runtime.to_dict()), scan_layers=args.scan)
         seq = int(c.data.seq_len)
         for shape in [tuple(int(n) for n in m.split("x")) for m in args.meshes.split(",")]:
             for gather in ([False, True] if shape[1] > 1 else [False]):
-                tr = step_traffic(cfg, shape, args.batch, seq, gather)
+                tr = step_traffic(cfg, runtime, shape, args.batch, seq, gather)
                 cell = lambda k: f"{tr[k][0]} / {tr[k][1] / 1e6:.1f}" if k in tr else "0"  # noqa: E731
                 other = sum(v[1] for k, v in tr.items() if k not in ("all-gather", "all-reduce", "all-to-all"))
                 total = sum(v[1] for v in tr.values()) / 1e6

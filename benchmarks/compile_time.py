@@ -1,4 +1,4 @@
-"""Compile time and program size of the train step against depth, scanned (model.scan_layers) and unscanned.
+"""Compile time and program size of the train step against depth, scanned (runtime.scan_layers) and unscanned.
 
     python benchmarks/compile_time.py [--variant coupled_euler] [--layers 4,24] [--width 1024 --heads 16 --vocab 50304
                                        --seq 1024 --batch 2] [--out benchmarks/results/compile_time.md]
@@ -28,7 +28,7 @@ import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from coupled_qk_jax import sharding as shd  # noqa: E402
-from coupled_qk_jax.config import ModelConfig  # noqa: E402
+from coupled_qk_jax.config import ModelConfig, RuntimeConfig  # noqa: E402
 from coupled_qk_jax.configs import lm  # noqa: E402
 from coupled_qk_jax.model import TransformerLM  # noqa: E402
 from coupled_qk_jax.training import optimizer, steps  # noqa: E402
@@ -42,9 +42,9 @@ def uptime() -> str:
         return "uptime unavailable"
 
 
-def abstract_step(cfg: ModelConfig, batch: int, seq: int, train_cfg):
+def abstract_step(cfg: ModelConfig, runtime: RuntimeConfig, batch: int, seq: int, train_cfg):
     """(jitted train step, abstract state, abstract batch) on a 1-device mesh."""
-    abstract = nnx.eval_shape(lambda: TransformerLM(cfg, 0))
+    abstract = nnx.eval_shape(lambda: TransformerLM(cfg, 0, runtime))
     graphdef, params = steps.split_model(abstract)
     tx = optimizer.make_optimizer(params, train_cfg)
     state = jax.eval_shape(lambda p: steps.init_train_state(p, tx), params)
@@ -56,9 +56,9 @@ def abstract_step(cfg: ModelConfig, batch: int, seq: int, train_cfg):
     return step, state, {"inputs": tokens, "targets": tokens}
 
 
-def measure(cfg: ModelConfig, batch: int, seq: int, train_cfg) -> dict:
+def measure(cfg: ModelConfig, runtime: RuntimeConfig, batch: int, seq: int, train_cfg) -> dict:
     t0 = time.perf_counter()
-    step, state, tokens = abstract_step(cfg, batch, seq, train_cfg)
+    step, state, tokens = abstract_step(cfg, runtime, batch, seq, train_cfg)
     lowered = step.lower(state, tokens)
     t1 = time.perf_counter()
     compiled = lowered.compile()
@@ -86,13 +86,15 @@ def main(argv=None) -> int:
         ModelConfig.from_dict(base.model.to_dict()), d_model=args.width, n_heads=args.heads, d_ff=4 * args.width,
         vocab_size=args.vocab, max_len=args.seq, coupling_hidden=3 * head_dim // 4, affine_hidden=3 * head_dim // 4,
         dtype=args.dtype)
+    runtime = RuntimeConfig.from_dict(base.runtime.to_dict())
     shallow, deep = (int(x) for x in args.layers.split(","))
     load_before = uptime()
     rows = {}
     for scan in (True, False):
         for layers in (shallow, deep):
-            rows[scan, layers] = measure(dataclasses.replace(cfg, n_layers=layers, scan_layers=scan), args.batch,
-                                         args.seq, TrainConfig.from_dict(base.train))
+            rows[scan, layers] = measure(dataclasses.replace(cfg, n_layers=layers),
+                                         dataclasses.replace(runtime, scan_layers=scan), args.batch, args.seq,
+                                         TrainConfig.from_dict(base.train))
             print(f"scan={scan} layers={layers}: {rows[scan, layers]}", flush=True)
     load_after = uptime()
     lines = [f"variant {args.variant}, d_model {args.width}, heads {args.heads}, d_ff {4 * args.width}, vocab "

@@ -8,7 +8,7 @@ Nothing is timed and no token is generated: for each (data, fsdp, tensor) mesh t
 a model placed on that mesh (1,1,1: one device, the unsharded program) is lowered and compiled for 8 fake CPU
 devices, with a KV cache of model.max_len slots given as a ShapeDtypeStruct in the Generator's cache sharding
 (no cache is allocated). It reports `compiled.memory_analysis()` per device (arguments = parameters + cache +
-inputs, temporaries), the collectives of the compiled HLO (`sharding.collective_counts`; with model.scan_layers,
+inputs, temporaries), the collectives of the compiled HLO (`sharding.collective_counts`; with runtime.scan_layers,
 as at 60m, the layer loop's body is one copy in the text, so its collectives count once and run n_layers times:
 --unscanned unrolls the layers so that every executed collective is in the text) and the HLO's size. The model has
 random weights (shapes are all that matter here). The two compile-time switches change LLVM code generation only,
@@ -33,6 +33,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from coupled_qk_jax import sharding as shd  # noqa: E402
+from coupled_qk_jax.config import RuntimeConfig
 from coupled_qk_jax.configs.lm import get_config  # noqa: E402
 from coupled_qk_jax.generate import Generator, Sampling, cache_sharding  # noqa: E402
 from coupled_qk_jax.model import TransformerLM, count_params  # noqa: E402
@@ -77,17 +78,18 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--meshes", nargs="+", default=["1,1,1", "8,1,1", "1,1,8", "2,1,4", "2,2,2", "1,4,2"])
     p.add_argument("--unscanned", action="store_true",
-                   help="model.scan_layers=False: every layer's collectives appear in the HLO text, as executed")
+                   help="runtime.scan_layers=False: every layer's collectives appear in the HLO text, as executed")
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    cfg = model_config(get_config(f"{args.variant},{args.scale}"))
+    config = get_config(f"{args.variant},{args.scale}")
+    cfg, runtime = model_config(config), RuntimeConfig.from_dict(config.runtime.to_dict())
     if args.unscanned:
-        cfg = dataclasses.replace(cfg, scan_layers=False)
-    model = TransformerLM(cfg, 0)
+        runtime = dataclasses.replace(runtime, scan_layers=False)
+    model = TransformerLM(cfg, 0, runtime)
     cache_mb = 2 * cfg.n_layers * args.batch * cfg.max_len * cfg.n_heads * cfg.head_dim \
         * jnp.dtype(cfg.dtype).itemsize / MB
     head = {"scale": args.scale, "variant": args.variant, "batch": args.batch, "cache_slots": cfg.max_len,
-            "dtype": cfg.dtype, "scan_layers": cfg.scan_layers, "params": count_params(model),
+            "dtype": cfg.dtype, "scan_layers": runtime.scan_layers, "params": count_params(model),
             "cache_mb": round(cache_mb, 2), "jax": jax.__version__}
     print(json.dumps(head), flush=True)
     rows = []

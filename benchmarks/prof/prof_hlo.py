@@ -176,7 +176,9 @@ def main():
                "out_bytes": ma.output_size_in_bytes, "alias_bytes": getattr(ma, "alias_size_in_bytes", 0),
                "compile_s": case.compile_s, **counts, "by_src": by_src, "dot_flops_by_src": dot_src,
                "opcodes_top": op_top, "opcodes_fused": op_fused, "hlo_file": os.path.basename(fname),  # beside the JSON
-               "model_cfg": {k: v for k, v in vars(case.cfg).items()} if hasattr(case.cfg, "__dict__") else None}
+               "model_cfg": {k: v for k, v in vars(case.cfg).items()} if hasattr(case.cfg, "__dict__") else None,
+               # the runtime block (remat, scan_unroll, ...); a checkout from before it kept them in model_cfg
+               "runtime_cfg": dict(vars(case.runtime)) if hasattr(case, "runtime") else None}
         records.append(rec)
         print(json.dumps({k: rec[k] for k in ("label", "variant", "flops", "bytes_accessed", "transcendentals",
                                                "temp_bytes", "fusion_calls", "instructions", "whiles",
