@@ -24,10 +24,12 @@ export.json last (Cloud Storage has no rename), and load_exported reads it back 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -193,17 +195,23 @@ def _local_folder(d: epath.Path, into: str) -> Path:
 
 
 def export_run(workdir: str | os.PathLike[str], out: str | os.PathLike[str], *, step: int | None = None,
-               replica: int = 0, mesh: Any = None) -> Path | epath.Path:
+               replica: int = 0, mesh: Any = None, runtime: Mapping[str, Any] | None = None) -> Path | epath.Path:
     """Exports one replica (default 0) of checkpoint ``step`` (default: the newest intact one) of the train.py run in
-    ``workdir``, with its own config and tokenizer (training.run.Run, restored on one device or ``mesh``)."""
+    ``workdir``, with its own config and tokenizer (training.run.Run, restored on one device or ``mesh``).
+    ``runtime``: ``runtime.*`` fields to restore with (``Run.open(runtime=...)``, e.g. ``{"scan_layers": True}``);
+    the weights and the exported config, the run's own runtime block included, are the same whatever they are."""
+    from coupled_qk_jax.training import rundir
     from coupled_qk_jax.training.run import Run  # noqa: PLC0415 - the loader side needs none of the training stack
 
-    run = Run.open(str(workdir), mesh=mesh)
+    run = Run.open(str(workdir), mesh=mesh, runtime=runtime)
     run.check_replica(replica)
     if run.tokenizer is None:
         raise ExportError(f"{workdir} is a {run.cfg.task} run: it has no tokenizer, export handles language models")
     at, _ = run.state(step)
-    return write_export(out, run.params(at, replica), run.cfg.to_dict(), run.tokenizer, step=at,
+    config = run.cfg.to_dict()
+    if runtime:  # how this export was read is not the run's: record the run's own runtime block
+        config["runtime"] = rundir.upgrade_config(rundir.run_config(run.workdir))[0]["runtime"]
+    return write_export(out, run.params(at, replica), config, run.tokenizer, step=at,
                         replica={"replica": replica, "seed": run.seeds[replica]})
 
 
@@ -230,12 +238,14 @@ def _read_manifest(d: Path) -> dict[str, Any]:
     return manifest
 
 
-def load_exported(directory: str | os.PathLike[str], runtime: RuntimeConfig | None = None,
+def load_exported(directory: str | os.PathLike[str], runtime: RuntimeConfig | Mapping[str, Any] | None = None,
                   ) -> tuple[nnx.Module, Tokenizer, dict[str, Any]]:
     """Rebuilds ``(model, tokenizer, manifest)`` from an export folder alone.
 
     The model is a ``TransformerLM`` with the exported float32 parameters (host arrays on the default device), computed
-    as ``runtime`` says (default: the run's own ``runtime`` block); ``manifest["config"]`` is the run's full config.
+    as ``runtime`` says: a RuntimeConfig, or a mapping of ``runtime.*`` fields over the run's own block (e.g.
+    ``{"attention_impl": "explicit"}``; what ``sample.py --exported --runtime=...`` passes); default: the run's own
+    ``runtime`` block. ``manifest["config"]`` is the run's full config.
     Raises :class:`ExportError` (one line) when the folder is missing, a file is damaged, or the weights do not fit
     the config's model (names or shapes differ).
     """
@@ -248,7 +258,8 @@ def load_exported(directory: str | os.PathLike[str], runtime: RuntimeConfig | No
             raise ExportError(str(e).replace(local, str(directory).rstrip("/"))) from None
 
 
-def _load_folder(d: Path, runtime: RuntimeConfig | None) -> tuple[nnx.Module, Tokenizer, dict[str, Any]]:
+def _load_folder(d: Path, runtime: RuntimeConfig | Mapping[str, Any] | None,
+                 ) -> tuple[nnx.Module, Tokenizer, dict[str, Any]]:
     """:func:`load_exported` of a local folder."""
     from safetensors import SafetensorError  # noqa: PLC0415
     from safetensors.numpy import load_file  # noqa: PLC0415
@@ -262,9 +273,11 @@ def _load_folder(d: Path, runtime: RuntimeConfig | None) -> tuple[nnx.Module, To
     config, _ = upgrade_config(json.loads((d / CONFIG).read_text(encoding="utf-8")))
     try:
         mcfg = ModelConfig.from_dict(config.get("model", {}))
-        runtime = runtime or RuntimeConfig.from_dict(config.get("runtime", {}))
+        own = None if isinstance(runtime, RuntimeConfig) else RuntimeConfig.from_dict(config.get("runtime", {}))
     except (TypeError, ValueError) as e:
         raise ExportError(f"{d / CONFIG} has no valid model block: {str(e).splitlines()[0]}") from None
+    if own is not None:  # the run's own block, with the fields given over it (a ValueError names a bad one)
+        runtime = RuntimeConfig.from_dict({**dataclasses.asdict(own), **runtime}) if runtime else own
     try:  # the runtime's layout of the layers
         tensors = _stack_layers(load_file(str(d / WEIGHTS)), mcfg, runtime.scan_layers)
     except SafetensorError as e:

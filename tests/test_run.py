@@ -28,7 +28,7 @@ from coupled_qk_jax.data.tokenizer import ByteTokenizer
 from coupled_qk_jax.errors import UserError
 from coupled_qk_jax.export import export_run, load_exported, write_export
 from coupled_qk_jax.model import TransformerLM
-from coupled_qk_jax.training import loop, rundir
+from coupled_qk_jax.training import cli, loop, rundir
 from coupled_qk_jax.training.checkpoint import Checkpointer
 from coupled_qk_jax.training.layout import parse_mesh
 from coupled_qk_jax.training.run import Run
@@ -98,6 +98,23 @@ def test_old_version_run_evaluates_samples_and_exports_as_then(fixture_run, tmp_
     assert _tensor_sha256(out) == {k: v["sha256"] for k, v in EXPECTED["export"].items()}
     model, tokenizer, manifest = load_exported(out)
     assert manifest["step"] == 6 and manifest["replica"] == 0 and manifest["seed"] == 0
+    assert _greedy(model, tokenizer) == EXPECTED["greedy"]["tokens"]
+
+
+def test_readers_take_runtime_changes_and_read_as_then(fixture_run, tmp_path, capfd):
+    """--runtime=scan_layers=true (cli.parse_runtime_flag, as eval.py, sample.py and export.py pass it on): the run's
+    per-layer checkpoint restored as a scanned stack exports the fixture's tensors and the run's own config, with one
+    note; the export loaded with scanned layers samples the fixture's tokens."""
+    runtime = cli.parse_runtime_flag("scan_layers=true")
+    out = export_run(fixture_run, tmp_path / "exported", runtime=runtime)
+    notes = [line for line in capfd.readouterr().err.splitlines() if line.startswith("note: runtime.")]
+    assert notes == [("note: runtime.scan_layers: the run's False, now True (how the model is computed, not what it "
+                      "computes)")]
+    assert _tensor_sha256(out) == {k: v["sha256"] for k, v in EXPECTED["export"].items()}
+    own = rundir.upgrade_config(json.loads((fixture_run / "config.json").read_text()))[0]
+    model, tokenizer, manifest = load_exported(out, runtime=runtime)  # over the export's own runtime block
+    assert manifest["config"] == own  # the run's own config, its runtime block included
+    assert model.runtime == dataclasses.replace(RuntimeConfig.from_dict(own["runtime"]), scan_layers=True)
     assert _greedy(model, tokenizer) == EXPECTED["greedy"]["tokens"]
 
 

@@ -284,3 +284,44 @@ def test_run_guarded_maps_user_errors_and_keeps_bugs(capsys):
 
     with pytest.raises(ValueError, match="Incompatible shapes"):  # not turned into an error line: traceback kept
         cli.run_guarded(bug)
+
+
+RUNTIME_FIELDS_LINE = ("the runtime fields are remat (str), scan_layers (bool), attention_impl (str), attention_chunks "
+                       "(int), scan_unroll (int), dynamics_backward (str)")
+
+
+def test_runtime_flag_is_typed_by_the_runtime_fields_and_a_mistake_is_one_line():
+    """The readers' --runtime=FIELD=VALUE,... (cli.parse_runtime_flag): values typed by RuntimeConfig's fields and
+    checked by it; each mistake one line that names the fields."""
+    from coupled_qk_jax.errors import UserError
+    from coupled_qk_jax.training import cli
+
+    assert cli.parse_runtime_flag("") == {}
+    assert cli.parse_runtime_flag("attention_impl=explicit,scan_layers=false") == {"attention_impl": "explicit",
+                                                                                   "scan_layers": False}
+    assert cli.parse_runtime_flag(" scan_unroll=7, remat=dots,scan_layers=True,attention_chunks=0,") == {
+        "scan_unroll": 7, "remat": "dots", "scan_layers": True, "attention_chunks": 0}
+    assert cli.parse_runtime_flag("dynamics_backward=autodiff") == {"dynamics_backward": "autodiff"}
+    for bad, says in [("scan_layer=true", "unknown field 'scan_layer' (did you mean \"scan_layers\"?)"),
+                      ("scan_layers", "'scan_layers' is not FIELD=VALUE"),
+                      ("scan_layers=yes", "scan_layers=yes: expected true or false"),
+                      ("scan_unroll=two", "scan_unroll=two: expected an integer"),
+                      ("attention_impl=flash", "runtime.attention_impl must be one of"),
+                      ("attention_chunks=-1", "runtime.attention_chunks must be an integer >= 0"),
+                      ("remat=full,remat=dots", "remat is given twice"),
+                      ("model.n_steps=3", "unknown field 'model.n_steps'")]:
+        with pytest.raises(UserError) as raised:
+            cli.parse_runtime_flag(bad)
+        message = str(raised.value)
+        assert message.startswith(f"--runtime: {says}") and message.endswith(RUNTIME_FIELDS_LINE), message
+        assert len(message.splitlines()) == 1
+
+
+def test_every_reader_refuses_a_bad_runtime_flag_in_one_line(tmp_path):
+    """eval.py, sample.py and export.py read --runtime before anything else: a mistake is one line, exit 2."""
+    workdir = f"--workdir={tmp_path / 'no_run'}"
+    for args in (["eval.py", workdir], ["sample.py", workdir], ["export.py", workdir, f"--out={tmp_path / 'x'}"]):
+        out = _run([*args, "--runtime=scan_layer=true"], timeout=300)
+        assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+        assert out.stderr.strip().splitlines() == [
+            f"error: --runtime: unknown field 'scan_layer' (did you mean \"scan_layers\"?); {RUNTIME_FIELDS_LINE}"]

@@ -9,8 +9,10 @@ intact one); --replica one seed of a seed-parallel run (default all: one row per
 several processes (as a multi-host train.py, coupled_qk_jax/distributed.py) it joins them and --mesh spans every
 process's devices (default: all of them on the data axis); process 0 prints and writes. `--config` is
 only a confirmation: one that disagrees with the run in what is evaluated (model, data, task) is refused with the
-differing fields; other differences are ignored with a note. Every token of the split is scored exactly once. The
-result is printed first, then written to OUT/eval_<split>_step<step>[_replica<K>].json (OUT defaults to DIR/eval);
+differing fields; other differences are ignored with a note, and its `runtime` block is how the model is computed
+here, as is --runtime=FIELD=VALUE,... (e.g. --runtime=attention_impl=explicit; over --config's; one note per change
+from the run's own). Every token of the split is scored exactly once. The result is printed first, then written to
+OUT/eval_<split>_step<step>[_replica<K>].json (OUT defaults to DIR/eval);
 the training summary is never touched, and a read-only DIR works with --out elsewhere. A GLUE run's test labels
 are not public: --split=test writes GLUE's submission files (OUT/SST-2.tsv, ...) from one replica (0, or --replica)
 instead. See docs/training.md.
@@ -40,6 +42,8 @@ def define_flags() -> None:
     flags.DEFINE_string("mesh", "", "Devices to evaluate on, e.g. data:2,fsdp:1,tensor:1 (default: one device).")
     flags.DEFINE_bool("diagnostics", False, "Also write attention diagnostics of the checkpoint on the split's first "
                       "windows to OUT/diagnostics_<split>_step<step>.{json,png} (coupled_qk_jax.diagnostics_report).")
+    flags.DEFINE_string("runtime", "", "runtime.* fields to compute the model with, FIELD=VALUE[,...], e.g. "
+                        "attention_impl=explicit,scan_layers=false (over --config's; default: the run's own).")
     flags.mark_flags_as_required(["workdir"])
 
 
@@ -74,7 +78,7 @@ def _eval() -> None:
 
     workdir = paths.resolve(FLAGS.workdir)  # local paths made absolute; gs:// URLs as given
     out = paths.resolve(FLAGS.out) if FLAGS.out else os.path.join(workdir, "eval")
-    run = Run.open(workdir, mesh=FLAGS.mesh or None, config=FLAGS.config)
+    run = Run.open(workdir, mesh=FLAGS.mesh or None, config=FLAGS.config, runtime=cli.parse_runtime_flag(FLAGS.runtime))
     replica = cli.parse_replica(FLAGS.replica)
     if replica != "all":
         run.check_replica(replica)

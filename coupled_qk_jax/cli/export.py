@@ -3,11 +3,12 @@
 
 The newest intact checkpoint (or --step), replica 0 (or --replica: one seed of a seed-parallel run), restored on one
 device (or --mesh) whatever machine trained it. Writes DIR/model.safetensors (float32 weights named by dotted paths,
-always per layer: blocks.0.attn.wq, with or without model.scan_layers), DIR/config.json (the run's config),
+always per layer: blocks.0.attn.wq, with or without runtime.scan_layers), DIR/config.json (the run's config),
 DIR/tokenizer.json (BPE runs) and DIR/export.json (checksums). Load it with
 `coupled_qk_jax.export.load_exported(DIR)`. Launched on several processes (as a multi-host train.py) it joins them
 and --mesh spans every process's devices (default: all of them on the data axis); each process gathers the weights,
-process 0 writes the folder. See coupled_qk_jax/export.py.
+process 0 writes the folder. --runtime=FIELD=VALUE,... (e.g. --runtime=scan_layers=true) restores the
+checkpoint with other runtime.* fields, one note each; the folder is the same. See coupled_qk_jax/export.py.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ def define_flags() -> None:
     flags.DEFINE_integer("step", None, "Checkpoint step to export (default: the newest intact one).")
     flags.DEFINE_integer("replica", 0, "Which seed replica of a seed-parallel run (train.num_seeds > 1).")
     flags.DEFINE_string("mesh", "", "Devices to restore the run onto, e.g. data:2 (default: one device).")
+    flags.DEFINE_string("runtime", "", "runtime.* fields to restore with, FIELD=VALUE[,...], e.g. scan_layers=true "
+                        "(default: the run's own).")
     flags.mark_flags_as_required(["workdir", "out"])
 
 
@@ -56,7 +59,8 @@ def _export() -> None:
 
     from coupled_qk_jax.export import export_run
 
-    out = export_run(FLAGS.workdir, FLAGS.out, step=FLAGS.step, replica=FLAGS.replica, mesh=FLAGS.mesh or None)
+    out = export_run(FLAGS.workdir, FLAGS.out, step=FLAGS.step, replica=FLAGS.replica, mesh=FLAGS.mesh or None,
+                     runtime=cli.parse_runtime_flag(FLAGS.runtime))
     if jax.process_index() == 0:  # the process that wrote the folder
         print(f"exported {FLAGS.workdir} -> {out}", flush=True)
 

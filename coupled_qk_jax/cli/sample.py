@@ -9,7 +9,9 @@ process's devices (default: all of them on the data axis) and process 0 prints. 
 one batch; prompts may differ in length. Decoding is
 greedy with --temperature=0, otherwise sampled with --temperature, --top_k and --top_p from --seed. Text prompts
 start a new document (they are preceded by <|endoftext|>); with neither flag, one empty prompt samples a document
-from scratch. See coupled_qk_jax/generate.py.
+from scratch. --runtime=FIELD=VALUE,... computes the model otherwise than the run did (e.g.
+--runtime=attention_impl=explicit,scan_layers=false: any runtime.* field, one note each; the tokens do not depend
+on it beyond float rounding). See coupled_qk_jax/generate.py.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ def define_flags() -> None:
     flags.DEFINE_integer("num_samples", 1, "Samples per prompt (each prompt is repeated in the batch).")
     flags.DEFINE_integer("replica", 0, "Which seed's model of a seed-parallel run (train.num_seeds > 1).")
     flags.DEFINE_bool("stop_at_eot", True, "End a sample at its first <|endoftext|>.")
+    flags.DEFINE_string("runtime", "", "runtime.* fields to compute the model with, FIELD=VALUE[,...], e.g. "
+                        "attention_impl=explicit,scan_layers=false (default: the run's own).")
     flags.mark_flags_as_mutual_exclusive(["workdir", "exported"], required=True)
 
 
@@ -72,6 +76,7 @@ def _sample() -> None:
     if FLAGS.num_samples < 1:
         raise UserError(f"--num_samples={FLAGS.num_samples}: samples per prompt must be at least 1")
     sampling = generate.Sampling(FLAGS.temperature, FLAGS.top_k, FLAGS.top_p)
+    runtime = cli.parse_runtime_flag(FLAGS.runtime)
     if FLAGS.exported is not None:
         from coupled_qk_jax.export import load_exported
 
@@ -80,11 +85,19 @@ def _sample() -> None:
             raise UserError(f"{', '.join(given)}: an export folder holds one model; these pick it from a run "
                             f"directory (--workdir)")
 
-        model, tokenizer, _ = load_exported(FLAGS.exported)
+        model, tokenizer, manifest = load_exported(FLAGS.exported, runtime=runtime)
+        if runtime:  # one note per change, as a run directory's reader prints them
+            import sys
+
+            from coupled_qk_jax.training.rundir import runtime_notes
+
+            own = manifest["config"]
+            for note in runtime_notes(own, {**own, "runtime": {**own.get("runtime", {}), **runtime}}):
+                print(f"note: {note}", file=sys.stderr, flush=True)
     else:
         from coupled_qk_jax.training.run import Run
 
-        run = Run.open(FLAGS.workdir, mesh=FLAGS.mesh or None)
+        run = Run.open(FLAGS.workdir, mesh=FLAGS.mesh or None, runtime=runtime)
         model, tokenizer = run.model(FLAGS.step, FLAGS.replica), run.tokenizer
         if tokenizer is None:
             raise UserError(f"{FLAGS.workdir} is a {run.cfg.task} run: it has no tokenizer to sample text with")

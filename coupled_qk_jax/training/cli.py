@@ -23,6 +23,7 @@ Nothing here imports JAX, so ``--help``, ``--print_config`` and flag errors stay
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -225,6 +226,55 @@ def exit_process(code: int) -> None:
         sys.stderr.flush()
         os._exit(code)
     sys.exit(code)
+
+
+def runtime_flag_fields() -> str:
+    """``remat (str), scan_layers (bool), ...``: the runtime block's fields with their types, for messages."""
+    from coupled_qk_jax.config import RuntimeConfig
+
+    return ", ".join(f"{f.name} ({type(f.default).__name__})" for f in dataclasses.fields(RuntimeConfig))
+
+
+def parse_runtime_flag(text: str) -> dict[str, Any]:
+    """The readers' ``--runtime=FIELD=VALUE[,FIELD=VALUE...]`` (e.g. ``attention_impl=explicit,scan_layers=false``):
+    the ``runtime.*`` fields to change, each typed by its RuntimeConfig field (bool: true/false, int, str) and
+    checked by RuntimeConfig itself; an empty value changes nothing. A mistake (no ``=``, an unknown or repeated
+    field, a value of the wrong type or not allowed) is a UserError of one line naming the fields."""
+    from coupled_qk_jax.config import RuntimeConfig
+
+    types = {f.name: type(f.default) for f in dataclasses.fields(RuntimeConfig)}
+    out: dict[str, Any] = {}
+
+    def mistake(what: str) -> UserError:
+        return UserError(f"--runtime: {what}; the runtime fields are {runtime_flag_fields()}")
+
+    for item in (part.strip() for part in str(text).split(",")):
+        if not item:
+            continue
+        name, eq, value = (s.strip() for s in item.partition("="))
+        if not eq:
+            raise mistake(f"{item!r} is not FIELD=VALUE")
+        if name not in types:
+            raise mistake(f"unknown field {name!r}{did_you_mean(name, types)}")
+        if name in out:
+            raise mistake(f"{name} is given twice")
+        kind = types[name]
+        if kind is bool:
+            if value.lower() not in ("true", "false"):
+                raise mistake(f"{name}={value}: expected true or false")
+            out[name] = value.lower() == "true"
+        elif kind is int:
+            try:
+                out[name] = int(value)
+            except ValueError:
+                raise mistake(f"{name}={value}: expected an integer") from None
+        else:
+            out[name] = value
+    try:
+        RuntimeConfig(**out)  # its own checks: the choices and ranges
+    except ValueError as e:
+        raise mistake(str(e).splitlines()[0]) from None
+    return out
 
 
 def parse_replica(text: str) -> int | str:
