@@ -13,7 +13,7 @@ checkpoint with other runtime.* fields, one note each; the folder is the same. S
 
 from __future__ import annotations
 
-from absl import app, flags, logging
+from absl import flags
 
 from coupled_qk_jax.training import cli
 
@@ -38,20 +38,7 @@ def main() -> None:
 
     configure_process()  # the CPU malloc settings, before JAX starts (coupled_qk_jax/startup.py)
     define_flags()
-    cli.run_command(export_command, __name__, __doc__)
-
-
-def export_command(argv: list[str]) -> None:
-    """absl's main: ``argv`` is what flag parsing left."""
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-    logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
-    # Launched on several processes (as a multi-host train.py is), join them before anything touches a device: the
-    # --mesh then spans every process's devices. A no-op on one process.
-    from coupled_qk_jax.distributed import initialize_distributed
-
-    initialize_distributed()
-    cli.exit_process(cli.run_guarded(_export))
+    cli.run_command(cli.reader_command(_export), __name__, __doc__)
 
 
 def _export() -> None:

@@ -30,7 +30,7 @@ import os
 import sys
 from typing import Any, Callable
 
-from absl import flags
+from absl import app, flags, logging
 from ml_collections.config_flags.config_flags import ConfigFileFlagParser
 
 from coupled_qk_jax.errors import UserError, did_you_mean
@@ -125,6 +125,23 @@ def load_config_file(spec: str) -> Any:
     return module.get_config(arg) if arg else module.get_config()
 
 
+def reader_command(body: Callable[[], object]) -> Callable[[list[str]], None]:
+    """absl's main for a command that reads a saved run (eval, sample, export): no positional arguments, orbax's
+    INFO lines off (it logs every restore), the processes of a multi-host launch joined before anything touches a
+    device (the --mesh then spans every process's devices; a no-op on one process), then ``body`` with the user's
+    mistakes as one line and an exit status (:func:`run_guarded`)."""
+    def command(argv: list[str]) -> None:
+        if len(argv) > 1:
+            raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+        logging.set_verbosity(logging.WARNING)
+        from coupled_qk_jax.distributed import initialize_distributed
+
+        initialize_distributed()
+        exit_process(run_guarded(body))
+
+    return command
+
+
 def run_command(app_main: Callable[[list[str]], None], flags_module: str, doc: str,
                 flags_parser: Callable[[list[str]], list[str]] | None = None) -> None:
     """``app.run(app_main)`` for a command whose flags module ``flags_module`` has just defined.
@@ -132,8 +149,6 @@ def run_command(app_main: Callable[[list[str]], None], flags_module: str, doc: s
     absl's ``--help`` prints the ``__main__`` module's docstring and the flags defined there; the process may have
     been started by a console script's generated file, a thin top-level file or ``python -m``, so the command's own
     docstring and flags are made ``__main__``'s."""
-    from absl import app
-
     sys.modules["__main__"].__doc__ = doc
     for flag in flags.FLAGS.get_key_flags_for_module(flags_module):
         flags.FLAGS.register_key_flag_for_module(sys.argv[0], flag)
