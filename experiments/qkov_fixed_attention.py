@@ -15,8 +15,9 @@ depend on alpha.
   P_rest the per-sequence token histograms of the distinct and the other positions; they are computed once, so an
   evaluation costs two 50 x 50 matmuls per sequence.
 
-Each OV type is a job: checkpointed every ``--ckpt-every`` epochs to ``<work>/fixed_<ov>.npz`` (its evaluation
-history beside it), finished into ``<out>/runs/fixed/<ov>.csv`` (rows ov, alpha, epoch, step, loss,
+Each OV type is a job: checkpointed every ``--ckpt-every`` epochs to the orbax checkpoint directory
+``<work>/fixed_<ov>_ckpt/`` (its evaluation history beside it; an old-format ``<work>/fixed_<ov>.npz`` of an earlier
+version stops the job with a hint), finished into ``<out>/runs/fixed/<ov>.csv`` (rows ov, alpha, epoch, step, loss,
 loss_alpha_plus, sensitivity) and ``<ov>.json``; a restart skips finished jobs. Tables: experiments/qkov_report.py.
 
 Usage: python experiments/qkov_fixed_attention.py --out results/qkov [--eval-batches 1000]
@@ -68,7 +69,8 @@ def pooled_parts(tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def job_paths(out: str, work: str, ov: str) -> dict[str, str]:
     return {"csv": os.path.join(out, "runs", "fixed", f"{ov}.csv"),
             "json": os.path.join(out, "runs", "fixed", f"{ov}.json"),
-            "ckpt": os.path.join(work, f"fixed_{ov}.npz"), "hist": os.path.join(work, f"fixed_{ov}_eval.json")}
+            "ckpt": os.path.join(work, f"fixed_{ov}_ckpt"), "legacy_ckpt": os.path.join(work, f"fixed_{ov}.npz"),
+            "hist": os.path.join(work, f"fixed_{ov}_eval.json")}
 
 
 def run_job(ov: str, out: str, work: str, eval_batches: int, ckpt_every: int = 10, log=print) -> bool:
@@ -78,6 +80,7 @@ def run_job(ov: str, out: str, work: str, eval_batches: int, ckpt_every: int = 1
         return False
     os.makedirs(os.path.dirname(paths["csv"]), exist_ok=True)
     os.makedirs(work, exist_ok=True)
+    qtrain.refuse_legacy_checkpoint(paths["legacy_ckpt"], paths["ckpt"])
     cfg = to_train_config(get_config(OV_TYPES[ov]))
     ev = qdata.generate_batches(np.random.RandomState(cfg.seeds[0] + 1_000_000), eval_batches, cfg.batch_size,
                                 cfg.seq_len, fixed_attention=True)
@@ -92,7 +95,7 @@ def run_job(ov: str, out: str, work: str, eval_batches: int, ckpt_every: int = 1
 
     losses = jax.jit(jax.vmap(loss_at))
     hist = {}  # epoch -> (losses at alpha, at alpha + DA); kept beside the checkpoint
-    if os.path.exists(paths["ckpt"]) and os.path.exists(paths["hist"]):
+    if qtrain.has_checkpoint(paths["ckpt"]) and os.path.exists(paths["hist"]):
         with open(paths["hist"]) as fh:
             hist = {int(k): v for k, v in json.load(fh).items()}
 
@@ -130,9 +133,9 @@ def run_job(ov: str, out: str, work: str, eval_batches: int, ckpt_every: int = 1
     with open(paths["json"] + ".tmp", "w") as fh:
         json.dump(meta, fh, indent=1)
     os.replace(paths["json"] + ".tmp", paths["json"])
-    for p in (paths["ckpt"], paths["hist"]):
-        if os.path.exists(p):
-            os.remove(p)
+    qtrain.remove_checkpoint(paths["ckpt"])
+    if os.path.exists(paths["hist"]):
+        os.remove(paths["hist"])
     log(f"[fixed {ov}] done in {res.seconds:.0f}s; final losses {meta['final_loss']}")
     return True
 

@@ -30,6 +30,8 @@ import numpy as np
 from scipy import stats
 
 from coupled_qk_jax.qkov import metrics as qm
+from coupled_qk_jax.qkov import train as qtrain
+from coupled_qk_jax.training.checkpoint import DamagedCheckpoint
 
 # A sibling experiment: `experiments.` when imported as a package module (python -m experiments.X, the tests), by its
 # bare name when run as a script (python experiments/X.py puts this folder first on the path).
@@ -80,19 +82,29 @@ def load_runs(out: str) -> dict[str, list[dict]]:
     return runs
 
 
+def checkpoint_state(path: str, legacy_path: str) -> str | None:
+    """'epoch E/N' of the in-job checkpoint directory ``path`` (None when it holds no checkpoint), or a note that it
+    cannot be read, or that ``legacy_path`` holds an earlier version's .npz checkpoint, which no job resumes."""
+    if os.path.isfile(legacy_path):
+        return f"old-format checkpoint {os.path.basename(legacy_path)} (not resumable: delete it to restart the job)"
+    try:
+        progress = qtrain.checkpoint_progress(path)
+    except (OSError, ValueError, KeyError, DamagedCheckpoint):
+        return f"unreadable checkpoint {os.path.basename(path)}"
+    return None if progress is None else f"epoch {progress[0]}/{progress[1]}"
+
+
 def ckpt_epoch(work: str, cell: str) -> list[str]:
-    """'epoch E/N (seeds ...)' for each in-job checkpoint of a cell."""
+    """'epoch E/N (seeds ...)' for each in-job checkpoint of a cell (see :func:`checkpoint_state`)."""
     found = []
-    for f in sorted(glob.glob(os.path.join(work, f"{cell}_s*.npz"))):
-        tag = os.path.basename(f)[len(cell) + 2:-4]
+    tags = {os.path.basename(f)[len(cell) + 2:-len(suffix)]
+            for suffix in ("_ckpt", ".npz") for f in glob.glob(os.path.join(work, f"{cell}_s*{suffix}"))}
+    for tag in sorted(tags):
         if not tag.replace("-", "").isdigit():
             continue  # another cell whose name starts with this one
-        try:
-            with np.load(f) as z:
-                ep, n = int(z["epoch"]), len(z["hist"][0])
-            found.append(f"epoch {ep}/{n} (seeds {tag.replace('-', ', ')})")
-        except (OSError, KeyError, ValueError):
-            found.append(f"unreadable checkpoint {os.path.basename(f)}")
+        state = checkpoint_state(os.path.join(work, f"{cell}_s{tag}_ckpt"), os.path.join(work, f"{cell}_s{tag}.npz"))
+        if state is not None:
+            found.append(f"{state} (seeds {tag.replace('-', ', ')})")
     return found
 
 
@@ -266,11 +278,8 @@ def fixed_table(out: str, work: str, ref: dict) -> tuple[list[dict], list[str]]:
     for ov in ("factorised", "collapsed"):
         mpath = os.path.join(out, "runs", "fixed", f"{ov}.json")
         if not os.path.exists(mpath):
-            ck = glob.glob(os.path.join(work, f"fixed_{ov}.npz"))
-            state = "queued"
-            if ck:
-                with np.load(ck[0]) as z:
-                    state = f"running or interrupted at epoch {int(z['epoch'])}/{len(z['hist'][0])}"
+            ck = checkpoint_state(os.path.join(work, f"fixed_{ov}_ckpt"), os.path.join(work, f"fixed_{ov}.npz"))
+            state = "queued" if ck is None else f"running or interrupted at {ck}"
             notes.append(f"{ov}: {state} (resume with: `{RESUME}`)")
             continue
         meta = json.load(open(mpath))

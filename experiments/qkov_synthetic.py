@@ -11,9 +11,10 @@ learning-rate ramps:                fafo_incr40 (QK x1 -> x40), caco128_incr10 (
 A job trains one cell for a group of seeds as one vmapped program. When it ends, every seed gets its own result
 file ``<out>/runs/<cell>/seed<S>.json`` (test metrics, DTAP percentages, stop epoch, ...) and
 ``seed<S>_curves.csv`` (per-epoch training loss, distinct-token mass and circuit norms). A restart skips the seeds
-whose result file exists. Inside a job, the state is checkpointed to ``<work>/<cell>_s<seeds>.npz`` every
-``--ckpt-every`` epochs, so a killed job resumes from its last checkpoint. The tables are written by
-experiments/qkov_report.py.
+whose result file exists. Inside a job, the state is checkpointed to the directory ``<work>/<cell>_s<seeds>_ckpt/``
+(an orbax checkpoint directory, as the main trainer's) every ``--ckpt-every`` epochs, so a killed job resumes from
+its last checkpoint; an old-format ``<work>/<cell>_s<seeds>.npz`` of an earlier version stops the job with a hint
+(delete it to restart the job). The tables are written by experiments/qkov_report.py.
 
 Usage:  python experiments/qkov_synthetic.py --out results/qkov --cells fafo_r20 --seeds first|rest|all
 """
@@ -111,12 +112,13 @@ def run_job(cell: str, seeds: tuple[int, ...], out: str, work: str, ckpt_every: 
     os.makedirs(os.path.join(out, "runs", cell), exist_ok=True)
     os.makedirs(work, exist_ok=True)
     tag = f"{cell}_s{'-'.join(map(str, seeds))}"
-    ckpt = os.path.join(work, f"{tag}.npz")
+    ckpt = os.path.join(work, f"{tag}_ckpt")
+    qtrain.refuse_legacy_checkpoint(os.path.join(work, f"{tag}.npz"), ckpt)
     norms_path = os.path.join(work, f"{tag}_norms.npy")
     # Circuit norms per epoch: ||QK bilinear form||_F and ||OV matrix||_F, [epochs + 1, R, 2]. Written every epoch so
     # that a resumed job keeps the history before its checkpoint (epochs after it are recomputed identically).
     norms = np.full((cfg.n_epochs + 1, len(seeds), 2), np.nan)
-    if os.path.exists(ckpt) and os.path.exists(norms_path):
+    if qtrain.has_checkpoint(ckpt) and os.path.exists(norms_path):
         norms = np.load(norms_path)
     norm_fn = jax.jit(jax.vmap(lambda p: jnp.stack([jnp.linalg.norm(qmodel.qk_matrix(p)),
                                                     jnp.linalg.norm(qmodel.ov_matrix(p))])))
@@ -129,7 +131,7 @@ def run_job(cell: str, seeds: tuple[int, ...], out: str, work: str, ckpt_every: 
 
     log(f"[{cell}] {arg} {overrides}: {cfg.n_epochs} x {cfg.batches_per_epoch} steps, seeds {seeds}, "
         f"stop_loss {cfg.stop_loss} every {cfg.stop_check_every} epochs")
-    resumed = os.path.exists(ckpt)
+    resumed = qtrain.has_checkpoint(ckpt)
     cpu0 = cpu_seconds()
     res = qtrain.train(cfg, log_every=max(1, cfg.n_epochs // 10), log=log, callback=cb, ckpt_path=ckpt,
                        ckpt_every=ckpt_every)
@@ -177,9 +179,9 @@ def run_job(cell: str, seeds: tuple[int, ...], out: str, work: str, ckpt_every: 
         rows.append(row)
         log(f"[{cell}] seed {seed}: stopped at epoch {stop}, loss {summ['loss']:.4g}, acc {summ['acc']:.1f}, "
             f"distinct mass {summ['distinct_mass']:.3f}, AC {summ['AC']:.1f} ({res.seconds:.0f}s)")
-    for p in (ckpt, norms_path):
-        if os.path.exists(p):
-            os.remove(p)
+    qtrain.remove_checkpoint(ckpt)
+    if os.path.exists(norms_path):
+        os.remove(norms_path)
     return rows
 
 

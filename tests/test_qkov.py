@@ -6,6 +6,7 @@ import csv
 import dataclasses
 import math
 import os
+import shutil
 import subprocess
 import sys
 
@@ -196,10 +197,12 @@ def test_stop_rule_matches_reference_running_loss_loop():
 
 
 def test_checkpoint_resume_equals_uninterrupted_run(tmp_path):
+    from experiments import qkov_report as rep
+
     cfg = _tiny_cfg(parametrisation="fafo", qk_schedule="increasing", qk_final_multiplier=5.0, n_epochs=4,
                     batches_per_epoch=3)
     ref = qtrain.train(cfg)
-    path = str(tmp_path / "ck.npz")
+    path = str(tmp_path / "fafo_r1_s1-2_ckpt")  # the layout of experiments/qkov_synthetic.py, read by the report
 
     def crash(ep, params):
         if ep == 3:
@@ -207,15 +210,68 @@ def test_checkpoint_resume_equals_uninterrupted_run(tmp_path):
 
     with pytest.raises(KeyboardInterrupt):
         qtrain.train(cfg, callback=crash, ckpt_path=path, ckpt_every=2)
-    assert os.path.exists(path)
+    assert qtrain.checkpoint_progress(path) == (2, 4)
+    assert rep.ckpt_epoch(str(tmp_path), "fafo_r1") == ["epoch 2/4 (seeds 1, 2)"]
     logs = []
     res = qtrain.train(cfg, ckpt_path=path, ckpt_every=2, log=logs.append)
     assert any("resumed" in m and "epoch 2/4" in m for m in logs)
     for k in ref.params:
         np.testing.assert_array_equal(np.asarray(res.params[k]), np.asarray(ref.params[k]))
     np.testing.assert_array_equal(res.epoch_loss, ref.epoch_loss)
-    with pytest.raises(ValueError, match="another config"):
+    np.testing.assert_array_equal(res.epoch_mass, ref.epoch_mass)
+    with pytest.raises(ValueError, match="another config") as refused:
         qtrain.train(dataclasses.replace(cfg, lr_ov=0.02), ckpt_path=path)
+    assert "lr_ov: saved 0.01, now 0.02" in str(refused.value) and "\n" not in str(refused.value)
+    qtrain.remove_checkpoint(path)
+    assert not qtrain.has_checkpoint(path)
+
+
+def test_checkpoint_restores_stopped_runs_and_falls_back_from_a_damaged_step(tmp_path, capsys):
+    # Early stop on, so that a checkpoint holds a stopped run (its stop flag and the nan tail of its curves).
+    cfg = _tiny_cfg(parametrisation="caco", lr_ov=0.5, n_epochs=5, batches_per_epoch=3, seeds=(3, 4))
+    full = qtrain.train(cfg)
+    cfg = dataclasses.replace(cfg, stop_loss=float(full.epoch_loss[0, 2]) * (1 + 1e-6))
+    ref = qtrain.train(cfg)
+    assert int(ref.stopped_epoch[0]) == 3 and int(ref.stopped_epoch[1]) >= 4  # run 0 stops first
+    path = str(tmp_path / "ck")
+
+    def crash(ep, params):
+        if ep == 4:
+            raise KeyboardInterrupt
+
+    def check(res):
+        for k in ref.params:
+            np.testing.assert_array_equal(np.asarray(res.params[k]), np.asarray(ref.params[k]))
+        np.testing.assert_array_equal(res.epoch_loss, ref.epoch_loss)
+        np.testing.assert_array_equal(res.stopped_epoch, ref.stopped_epoch)
+
+    with pytest.raises(KeyboardInterrupt):
+        qtrain.train(cfg, callback=crash, ckpt_path=path, ckpt_every=1)
+    assert sorted(os.listdir(path)) == ["2", "3"]  # the last qtrain.CKPT_KEEP steps; run 0 stopped in step 3
+    logs = []
+    check(qtrain.train(cfg, ckpt_path=path, ckpt_every=1, log=logs.append))
+    assert any("epoch 3/5" in m for m in logs)
+    assert sorted(os.listdir(path)) == ["3", "4"]
+    shutil.rmtree(os.path.join(path, "4", "meta"))  # step 4 damaged: the run resumes from step 3
+    logs = []
+    check(qtrain.train(cfg, ckpt_path=path, ckpt_every=1, log=logs.append))
+    assert any("epoch 3/5" in m for m in logs)
+    assert "checkpoint step 4" in capsys.readouterr().err
+    assert os.path.isdir(tmp_path / "damaged_checkpoints" / "4")
+
+
+def test_checkpoint_old_npz_is_refused_with_a_hint(tmp_path):
+    from experiments import qkov_report as rep
+
+    old = tmp_path / "caco_r1_s1234.npz"
+    old.write_bytes(b"an earlier version's checkpoint")
+    cfg = _tiny_cfg(n_epochs=1)
+    with pytest.raises(ValueError, match="is a file"):
+        qtrain.train(cfg, ckpt_path=str(old))
+    with pytest.raises(ValueError, match="earlier version.*delete it"):
+        qtrain.refuse_legacy_checkpoint(str(old), str(tmp_path / "caco_r1_s1234_ckpt"))
+    assert rep.ckpt_epoch(str(tmp_path), "caco_r1") == [
+        "old-format checkpoint caco_r1_s1234.npz (not resumable: delete it to restart the job) (seeds 1234)"]
 
 
 def test_trainconfig_rejects_bad_fields():

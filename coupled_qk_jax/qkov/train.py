@@ -26,6 +26,8 @@ import concurrent.futures
 import dataclasses
 import json
 import os
+import shutil
+import sys
 import time
 from typing import Callable, Sequence
 
@@ -34,9 +36,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from coupled_qk_jax.errors import UserError
 from coupled_qk_jax.qkov import data as qdata
 from coupled_qk_jax.qkov import metrics as qm
 from coupled_qk_jax.qkov import model as qmodel
+from coupled_qk_jax.training import checkpoint as ckpt
+from coupled_qk_jax.training import rundir
 
 OPTIMIZERS = ("sgd", "adamw")
 SCHEDULES = ("constant", "increasing")
@@ -206,42 +211,136 @@ def _config_json(cfg: TrainConfig) -> str:
     return json.dumps(dataclasses.asdict(cfg), sort_keys=True)
 
 
-def _save_checkpoint(path: str, cfg: TrainConfig, epoch: int, params, opt_state, rng_states, hist, mhist, stopped,
-                     active) -> None:
-    """Atomically write the state after ``epoch`` completed epochs (numpy .npz, written to a temp file, renamed)."""
-    arrays = {f"leaf_{i}": np.asarray(v) for i, v in enumerate(jax.tree.leaves((params, opt_state)))}
-    arrays.update(
-        config=np.array(_config_json(cfg)), epoch=np.array(epoch), hist=hist, mhist=mhist, stopped=stopped,
-        active=active, rng_keys=np.stack([st[1] for st in rng_states]),
-        rng_pos=np.array([st[2] for st in rng_states]), rng_has_gauss=np.array([st[3] for st in rng_states]),
-        rng_gauss=np.array([st[4] for st in rng_states]))
-    tmp = f"{path}.tmp{os.getpid()}.npz"
-    with open(tmp, "wb") as fh:
-        np.savez(fh, **arrays)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+# In-job checkpoints go through the project's Checkpointer (training/checkpoint.py): orbax's atomic step directories,
+# per-leaf checksums verified on every restore, and a fall-back to the older step when the newest is damaged. Two
+# steps are kept so that a damaged newest one still leaves one to resume from.
+CKPT_KEEP = 2
 
 
-def _load_checkpoint(path: str, cfg: TrainConfig, params, opt_state):
-    """State saved by :func:`_save_checkpoint`, checked against ``cfg`` and the fresh state's structure."""
-    with np.load(path) as z:
-        saved = {k: z[k] for k in z.files}
-    if str(saved["config"]) != _config_json(cfg):
-        raise ValueError(f"checkpoint {path} was written for another config; delete it to start afresh\n"
-                         f"  saved:   {saved['config']}\n  current: {_config_json(cfg)}")
-    leaves, treedef = jax.tree.flatten((params, opt_state))
-    new = []
-    for i, ref in enumerate(leaves):
-        v = saved[f"leaf_{i}"]
-        if v.shape != np.shape(ref):
-            raise ValueError(f"checkpoint {path}: leaf {i} has shape {v.shape}, expected {np.shape(ref)}")
-        new.append(jnp.asarray(v, dtype=jnp.asarray(ref).dtype))
-    params, opt_state = jax.tree.unflatten(treedef, new)
-    rng_states = [("MT19937", k, int(p), int(h), float(g)) for k, p, h, g in
-                  zip(saved["rng_keys"], saved["rng_pos"], saved["rng_has_gauss"], saved["rng_gauss"])]
-    return (int(saved["epoch"]), params, opt_state, rng_states, saved["hist"], saved["mhist"], saved["stopped"],
-            saved["active"].astype(bool))
+def _floats_to_json(a: np.ndarray) -> list:
+    """Nested lists of a float array with nan as None (strict JSON has no nan; a float's repr round-trips exactly)."""
+    return [_floats_to_json(r) for r in a] if a.ndim > 1 else [None if np.isnan(v) else float(v) for v in a]
+
+
+def _floats_from_json(x: list) -> np.ndarray:
+    return np.array(x, dtype=object).astype(np.float64)  # None -> nan
+
+
+def _rng_state_to_json(st: dict) -> dict:
+    """A ``RandomState.get_state(legacy=False)`` dict with its 624-word MT19937 key as a list of ints."""
+    return {**st, "state": {"key": np.asarray(st["state"]["key"]).tolist(), "pos": int(st["state"]["pos"])},
+            "has_gauss": int(st["has_gauss"]), "gauss": float(st["gauss"])}
+
+
+def _rng_state_from_json(st: dict) -> dict:
+    return {**st, "state": {"key": np.asarray(st["state"]["key"], np.uint32), "pos": int(st["state"]["pos"])}}
+
+
+def _checkpoint_state(params, opt_state) -> dict:
+    return {"params": params, "opt_state": opt_state}
+
+
+def refuse_legacy_checkpoint(npz_path: str, ckpt_dir: str) -> None:
+    """Raise UserError when ``npz_path`` holds a checkpoint of an earlier version (one numpy .npz file).
+
+    This version neither reads nor silently skips such a file: restarting the job from epoch 0 beside it would hide
+    that the saved epochs are thrown away, so the user decides (delete it, or finish the job with the earlier
+    commit)."""
+    if os.path.isfile(npz_path):
+        raise UserError(f"found {npz_path}, a checkpoint of an earlier version (one .npz file), which this version "
+                        f"cannot resume (its checkpoints are orbax directories, here {ckpt_dir}); delete it to "
+                        f"restart this job from epoch 0, or finish the job with the commit that wrote it")
+
+
+def _open_checkpointer(path: str, read_only: bool = False) -> ckpt.Checkpointer:
+    if os.path.isfile(path):  # e.g. an old caller still passing a .npz path
+        raise UserError(f"checkpoint path {path} is a file (a .npz checkpoint of an earlier version?); checkpoints "
+                        f"are now orbax directories: pass a directory path, and delete or move the file")
+    # Synchronous saves: the state is a few small matrices, written every few epochs, so a background write would
+    # save nothing measurable, while a save finished on return is on disk when a callback raises or the job is
+    # killed right after it.
+    return ckpt.Checkpointer(path, keep_last=CKPT_KEEP, async_save=False, read_only=read_only)
+
+
+def has_checkpoint(path: str) -> bool:
+    """Whether the checkpoint directory ``path`` holds a completed step (an unfinished save does not count)."""
+    return os.path.isdir(path) and any(d.isdigit() for d in os.listdir(path))
+
+
+def checkpoint_progress(path: str) -> tuple[int, int] | None:
+    """``(epoch, n_epochs)`` of the newest checkpoint in directory ``path`` (only its meta record is read), None
+    when there is none. Raises DamagedCheckpoint when that record cannot be read."""
+    if not has_checkpoint(path):
+        return None
+    ck = _open_checkpointer(path, read_only=True)
+    try:
+        step = ck.latest_step()
+        if step is None:
+            return None
+        meta = ck.read_meta(step)
+        return int(meta["epoch"]), int(meta["config"]["n_epochs"])
+    finally:
+        ck.close()
+
+
+def remove_checkpoint(path: str) -> None:
+    """Delete the checkpoint directory ``path`` (a finished job's in-job checkpoints)."""
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _save_checkpoint(ck: ckpt.Checkpointer, cfg: TrainConfig, epoch: int, params, opt_state, rng_states: list[dict],
+                     hist: np.ndarray, mhist: np.ndarray, stopped: np.ndarray, active: np.ndarray) -> None:
+    """Save the state after ``epoch`` completed epochs as step ``epoch``: the arrays (params, optimiser state) as
+    the state item, everything else (the config, every run's numpy RNG state, curves, stop flags) in the meta
+    record."""
+    meta = {"config": dataclasses.asdict(cfg), "epoch": int(epoch),
+            "rng_states": [_rng_state_to_json(s) for s in rng_states],
+            "epoch_loss": _floats_to_json(hist), "epoch_mass": _floats_to_json(mhist),
+            "stopped_epoch": [int(v) for v in stopped], "active": [bool(v) for v in active]}
+    ck.save(epoch, _checkpoint_state(params, opt_state), meta)
+
+
+def _check_config(meta: dict, cfg: TrainConfig, directory: str) -> None:
+    """Refuse (one line) a checkpoint written for another config, naming the fields that differ."""
+    saved, now = meta["config"], json.loads(_config_json(cfg))
+    if json.dumps(saved, sort_keys=True) != _config_json(cfg):
+        diffs = "; ".join(f"{k}: saved {saved.get(k)!r}, now {now.get(k)!r}" for k in sorted(set(saved) | set(now))
+                          if saved.get(k) != now.get(k))
+        raise UserError(f"checkpoint {directory} was written for another config ({diffs}); delete it to start "
+                        f"afresh")
+
+
+def _restore_checkpoint(path: str, cfg: TrainConfig, params, opt_state):
+    """``(checkpointer, restored)``: the checkpointer of directory ``path`` and, when it holds a checkpoint, the
+    newest intact one as ``(epoch, params, opt_state, rng_states, hist, mhist, stopped, active)`` (else None).
+
+    The config is checked on the meta record before any array is read (another config can have other shapes), and
+    the arrays are restored into the fresh state's structure. A damaged newer step is named in a warning and moved
+    to ``damaged_checkpoints/`` beside the directory, as the main trainer does, so that this run can save that
+    step again."""
+    ck = _open_checkpointer(path)
+    state = _checkpoint_state(params, opt_state)
+    fresh = ckpt.abstract_target(state, jax.tree.map(lambda x: x.sharding, state))
+
+    def target(meta: dict) -> tuple[dict, None]:
+        _check_config(meta, cfg, ck.directory)
+        return fresh, None
+
+    damaged: list[int] = []
+    found = ck.restore_newest_intact(target, on_damaged=lambda step, _: damaged.append(step))
+    if damaged:
+        ck.close()
+        for step in damaged:
+            dest = rundir.move_damaged(ck.directory, step)
+            print(f"warning: moved the damaged checkpoint step {step} to {dest}", file=sys.stderr, flush=True)
+        ck = _open_checkpointer(path)
+    if found is None:
+        return ck, None
+    _, state, meta = found
+    return ck, (int(meta["epoch"]), state["params"], state["opt_state"],
+                [_rng_state_from_json(s) for s in meta["rng_states"]], _floats_from_json(meta["epoch_loss"]),
+                _floats_from_json(meta["epoch_mass"]), np.asarray(meta["stopped_epoch"]),
+                np.asarray(meta["active"], bool))
 
 
 def train(cfg: TrainConfig, log_every: int = 0, log: Callable[[str], None] = print,
@@ -257,9 +356,11 @@ def train(cfg: TrainConfig, log_every: int = 0, log: Callable[[str], None] = pri
     they break when ``running_loss / n_batches <= stop_loss`` with ``running_loss`` summed over the epochs since the
     last reset every 100 epochs, a sum of positive epoch averages that can first pass at a block's first epoch.
 
-    Checkpoints: with ``ckpt_path``, the full state (params, optimiser state, every run's numpy RNG state, curves,
-    stop flags) is written there atomically every ``ckpt_every`` epochs; if the file exists when training starts,
-    training resumes from it and gives the same result as an uninterrupted run. The caller deletes it when done.
+    Checkpoints: ``ckpt_path`` is a checkpoint directory (``training/checkpoint.py``'s Checkpointer, the last
+    ``CKPT_KEEP`` steps kept). Every ``ckpt_every`` epochs the full state (params, optimiser state, every run's numpy
+    RNG state, curves, stop flags) is saved there atomically as step = epoch; if it holds a checkpoint when training
+    starts, training resumes from the newest intact one and gives the same result as an uninterrupted run. One
+    written for another config is refused (UserError). The caller removes it when done (:func:`remove_checkpoint`).
     """
     cfg.validate()
     params, opt, opt_state = init_runs(cfg)
@@ -273,17 +374,19 @@ def train(cfg: TrainConfig, log_every: int = 0, log: Callable[[str], None] = pri
     mhist = np.full((R, cfg.n_epochs), np.nan)
     stopped = np.full(R, cfg.n_epochs)
     start = 0
-    if ckpt_path is not None and os.path.exists(ckpt_path):
-        start, params, opt_state, states, hist, mhist, stopped, active = _load_checkpoint(
-            ckpt_path, cfg, params, opt_state)
-        for r, st in zip(rngs, states):
-            r.set_state(st)
-        log(f"  resumed from {ckpt_path} at epoch {start}/{cfg.n_epochs}")
+    ck = None
+    if ckpt_path is not None:
+        ck, restored = _restore_checkpoint(ckpt_path, cfg, params, opt_state)
+        if restored is not None:
+            start, params, opt_state, states, hist, mhist, stopped, active = restored
+            for r, st in zip(rngs, states):
+                r.set_state(st)
+            log(f"  resumed from {ckpt_path} at epoch {start}/{cfg.n_epochs}")
     t0 = time.time()
 
     def make_epoch_data():
         # The RNG states before drawing, so that a checkpoint taken while this epoch is prefetched can replay it.
-        states = [r.get_state() for r in rngs]
+        states = [r.get_state(legacy=False) for r in rngs]
         b = [qdata.generate_batches(r, cfg.batches_per_epoch, cfg.batch_size, cfg.seq_len, shared) for r in rngs]
         return states, (b[0] if shared else np.stack(b))
 
@@ -292,30 +395,34 @@ def train(cfg: TrainConfig, log_every: int = 0, log: Callable[[str], None] = pri
     if callback is not None:
         callback(start, params)
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
-    next_data = pool.submit(make_epoch_data)
-    for ep in range(start, cfg.n_epochs):
-        if not active.any():
-            break
-        batches = jnp.asarray(next_data.result()[1])
-        if ep + 1 < cfg.n_epochs:
-            next_data = pool.submit(make_epoch_data)
-        params, opt_state, losses, masses = epoch_fn(params, opt_state, batches, alpha, jnp.asarray(active))
-        ep_loss = np.asarray(losses).mean(axis=1)
-        hist[active, ep] = ep_loss[active]
-        mhist[active, ep] = np.asarray(masses).mean(axis=1)[active]
-        if cfg.stop_loss is not None and ep % cfg.stop_check_every == 0:
-            newly = active & (ep_loss <= cfg.stop_loss)
-            stopped[newly] = ep + 1
-            active &= ~newly
-        if callback is not None:
-            callback(ep + 1, params)
-        if log_every and ((ep + 1) % log_every == 0 or ep == 0):
-            log(f"  epoch {ep + 1}/{cfg.n_epochs} loss {np.array2string(ep_loss, precision=4)} "
-                f"mass {np.array2string(mhist[:, ep], precision=3)} ({time.time() - t0:.1f}s)")
-        if ckpt_path is not None and ckpt_every and (ep + 1) % ckpt_every == 0 and ep + 1 < cfg.n_epochs:
-            _save_checkpoint(ckpt_path, cfg, ep + 1, params, opt_state, next_data.result()[0], hist, mhist,
-                             stopped, active)
-    pool.shutdown(wait=True)
+    try:
+        next_data = pool.submit(make_epoch_data)
+        for ep in range(start, cfg.n_epochs):
+            if not active.any():
+                break
+            batches = jnp.asarray(next_data.result()[1])
+            if ep + 1 < cfg.n_epochs:
+                next_data = pool.submit(make_epoch_data)
+            params, opt_state, losses, masses = epoch_fn(params, opt_state, batches, alpha, jnp.asarray(active))
+            ep_loss = np.asarray(losses).mean(axis=1)
+            hist[active, ep] = ep_loss[active]
+            mhist[active, ep] = np.asarray(masses).mean(axis=1)[active]
+            if cfg.stop_loss is not None and ep % cfg.stop_check_every == 0:
+                newly = active & (ep_loss <= cfg.stop_loss)
+                stopped[newly] = ep + 1
+                active &= ~newly
+            if callback is not None:
+                callback(ep + 1, params)
+            if log_every and ((ep + 1) % log_every == 0 or ep == 0):
+                log(f"  epoch {ep + 1}/{cfg.n_epochs} loss {np.array2string(ep_loss, precision=4)} "
+                    f"mass {np.array2string(mhist[:, ep], precision=3)} ({time.time() - t0:.1f}s)")
+            if ck is not None and ckpt_every and (ep + 1) % ckpt_every == 0 and ep + 1 < cfg.n_epochs:
+                _save_checkpoint(ck, cfg, ep + 1, params, opt_state, next_data.result()[0], hist, mhist, stopped,
+                                 active)
+    finally:
+        pool.shutdown(wait=True)
+        if ck is not None:  # saves are synchronous: nothing is pending, this only frees the manager
+            ck.close()
     return TrainResult(cfg, params, hist, mhist, stopped, time.time() - t0)
 
 
