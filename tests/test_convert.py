@@ -255,7 +255,7 @@ def test_a_stopped_glue_run_resumes_to_the_uninterrupted_params(tmp_path):
     _write_sst2(tmp_path / "SST-2")
     cfg = get_config("standard,tiny,sst2")
     cfg.model.update({"vocab_size": 512, "max_len": 64, "d_model": 32, "n_layers": 1, "n_heads": 2, "d_ff": 64,
-                      "dtype": "float32", "scan_layers": False})
+                      "dtype": "float32"})
     cfg.data.update(corpus=f"glue:sst2:{tmp_path / 'SST-2'}", seq_len=32, tokenizer="byte")
     cfg.train.update(steps=4, batch_size=8, eval_batch_size=4, warmup_steps=1, lr=1e-3, log_every=2, eval_every=2)
     cfg.checkpoint.update(every=2)

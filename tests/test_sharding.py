@@ -316,8 +316,9 @@ def test_150m_heads_on_tensor_8_is_an_error_naming_the_parameter():
     """The issue's example: 150m has 12 heads; tensor=8 used to replicate them silently (no tensor parallelism)."""
     from coupled_qk_jax.configs import lm
 
-    cfg = ModelConfig.from_dict(lm.get_config("coupled_euler,150m").model.to_dict())
-    abstract = nnx.eval_shape(lambda: TransformerLM(cfg, 0))  # no memory: shapes and metadata only
+    preset = lm.get_config("coupled_euler,150m")
+    cfg, runtime = ModelConfig.from_dict(preset.model), RuntimeConfig.from_dict(preset.runtime)
+    abstract = nnx.eval_shape(lambda: TransformerLM(cfg, 0, runtime))  # no memory: shapes and metadata only
     with pytest.raises(ValueError, match=r"sharding: blocks/attn/\w+ has heads=12, which mesh.tensor=8 does not "
                                          r"divide; use a mesh whose tensor size divides 12 \(e.g. 6\)"):
         shd.param_specs(abstract, mesh_of((1, 1, 8)))
