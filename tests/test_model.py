@@ -72,6 +72,20 @@ def test_shared_coupling_scope_and_per_head_params():
         assert np.isfinite(np.asarray(randomize_transforms(m)(TOKENS))).all()
 
 
+def test_shared_coupling_is_lent_not_stored_in_the_blocks():
+    """The shared f keeps its one path (shared_coupling/...), the blocks hold no copy of it after any forward, and
+    the layers really use it: changing it changes the logits, in the forward and in the diagnostic forward alike."""
+    model = randomize_transforms(make("coupled_euler", coupling_scope="shared"))
+    logits, _ = diagnostics.capture_layers(model, TOKENS)
+    np.testing.assert_allclose(logits, model(TOKENS), rtol=1e-6, atol=1e-6)
+    paths = ["/".join(map(str, p)) for p, _ in nnx.to_flat_state(nnx.state(model))]
+    assert [p for p in paths if "coupling" in p] == [f"shared_coupling/{n}" for n in ("b1", "b2", "w1", "w2")]
+    assert not nnx.state(model, nnx.Intermediate)  # the capture ran on a copy
+    before = model(TOKENS)
+    model.shared_coupling.b2[...] = model.shared_coupling.b2[...] + 1.0
+    assert not np.allclose(model(TOKENS), before)
+
+
 @pytest.mark.parametrize("variant", ALL_VARIANTS)
 def test_causality(variant):
     model = randomize_transforms(make(variant, positions="rope" if "leapfrog" in variant else "learned"))
