@@ -118,7 +118,7 @@ def _query_blocks(runtime: RuntimeConfig, seq: int) -> list[tuple[int, int]]:
 
 def saved_policy(runtime: RuntimeConfig) -> str:
     """Which residuals a layer keeps (model.py): "dots" (the weight matmuls' outputs) for remat=dots and for the
-    scanned layers' remat=none (TransformerLM._scan_blocks), "everything" for the Python loop's remat=none, "input"
+    scanned layers' remat=none (TransformerLM._through_layers), "everything" for the Python loop's remat=none, "input"
     for remat=full / nothing_saveable."""
     if runtime.remat in ("full", "nothing_saveable"):
         return "input"

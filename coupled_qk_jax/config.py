@@ -142,7 +142,7 @@ class RuntimeConfig:
     programs that resume, evaluate, sample or export it. Field names match the configs' `runtime` block."""
 
     # "none" | "full" | "dots" (save matmul outputs) | "nothing_saveable"; under scan_layers "none" runs as "dots"
-    # (faster and smaller there: model.TransformerLM._scan_blocks)
+    # (faster and smaller there: model.TransformerLM._through_layers)
     remat: str = "none"
     # Layers as one stacked block run by jax.lax.scan (params carry a leading "layers" axis): compile time and HLO
     # size stop growing with depth, and FSDP gathers one layer's weights at a time. False: a Python loop of blocks.

@@ -1,4 +1,5 @@
-"""Attention diagnostics: pure ``jax.numpy`` functions over attention matrices and query/key activations.
+"""Attention diagnostics: pure ``jax.numpy`` functions over attention matrices and query/key activations, and the
+diagnostic forward that produces them from a model (:func:`capture_layers`).
 
 Conventions:
 
@@ -30,6 +31,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 Array = jax.Array
 
@@ -285,6 +287,28 @@ def masked_attention_mass(attn: Array, mask: Array, valid: Array | None = None) 
         return jnp.mean(mass, axis=-1)
     v = jnp.broadcast_to(jnp.asarray(valid, dtype=attn.dtype), mass.shape)
     return jnp.sum(mass * v, axis=-1) / jnp.maximum(jnp.sum(v, axis=-1), 1.0)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The diagnostic forward
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def capture_layers(model: Any, tokens: Array) -> tuple[Array, list[dict[str, Array]]]:
+    """One forward of a ``TransformerLM`` that keeps what the attention layers compute: tokens int ``[B, T]`` ->
+    (logits ``[B, T, V]`` float32, one dict per layer).
+
+    Each layer's dict holds ``q_before``, ``k_before``, ``q_after``, ``k_after`` (q and k before and after the QK
+    transform, ``[B, T, H, d_head]``), ``attn`` (softmax ``[B, H, T, T]``, or ``A1 − λ·A2`` ``[B, H/2, T, T]``
+    under differential scoring) and, with dynamics, ``dt`` ``[H]``. The model's copy from ``model.capturing()``
+    runs the explicit attention kernel and sows these values (nnx.sow), and ``nnx.capture`` collects them: the
+    model's own forward carries no diagnostics flag. Jit it whole (``nnx.jit``), as op-by-op dispatch of the
+    attention matrices compiles hundreds of small programs.
+    """
+    probe = model.capturing()
+    logits, sown = nnx.capture(probe, nnx.Intermediate)(tokens)
+    sown = nnx.to_pure_dict(sown)["blocks"]
+    return logits, [dict(sown[i]["attn"]) for i in range(len(probe.blocks))]
 
 
 # ---------------------------------------------------------------------------------------------------------------

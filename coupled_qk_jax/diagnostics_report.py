@@ -3,7 +3,7 @@
     from coupled_qk_jax.diagnostics_report import diagnostics_report
     report = diagnostics_report(model, tokens, out_dir="diag", name="coupled_euler")   # writes diag/*.json, *.png
 
-From one forward pass with ``model(tokens, collect=True)`` it computes, per layer and head (averaged over the batch):
+From one diagnostic forward (``diagnostics.capture_layers``) it computes, per layer and head (averaged over the batch):
 
 * attention entropy (mean over query rows, nats) and its normalised form (each row divided by the log of its causal
   length; 1 = uniform causal attention, 0 = one-hot);
@@ -40,15 +40,9 @@ QK_METRICS = ("q_norm_before", "q_norm_after", "k_norm_before", "k_norm_after", 
               "q_rel_change", "k_rel_change")
 
 
-@nnx.jit
-def _collect_jit(model: nnx.Module, tokens: Any) -> tuple[Any, list[dict[str, Any]]]:
-    return model(tokens, collect=True)
-
-
-def _collect(model: Any, tokens: np.ndarray) -> tuple[Any, list[dict[str, Any]]]:
-    """``model(tokens, collect=True)``, compiled once for an NNX module: run op by op, one forward with its
-    per-layer attention matrices compiles and dispatches hundreds of small programs."""
-    return _collect_jit(model, tokens) if isinstance(model, nnx.Module) else model(tokens, collect=True)
+# Compiled once: run op by op, one forward with its per-layer attention matrices compiles and dispatches hundreds of
+# small programs.
+_capture_layers = nnx.jit(diagnostics.capture_layers)
 
 
 _qk_stats = jax.jit(diagnostics.qk_stats)
@@ -58,8 +52,7 @@ def compute_diagnostics(model: Any, tokens: Any, mask: Any | None = None) -> dic
     """All diagnostics of ``model`` on ``tokens`` [B, T] as a JSON-friendly dict (Python floats only).
 
     Args:
-      model: a ``TransformerLM`` (anything whose ``__call__(tokens, collect=True)`` returns ``(logits, aux)`` with
-        the per-layer dicts described in the module docstring).
+      model: a ``TransformerLM`` (its per-layer values come from ``diagnostics.capture_layers``).
       tokens: int [B, T]; use unpadded windows (padded query rows would be averaged into the attention metrics).
       mask: optional bool [B, T] selecting tokens for the q/k statistics.
 
@@ -70,7 +63,7 @@ def compute_diagnostics(model: Any, tokens: Any, mask: Any | None = None) -> dic
     tokens = np.asarray(tokens)
     if tokens.ndim == 1:
         tokens = tokens[None]
-    _, aux = _collect(model, tokens)
+    _, aux = _capture_layers(model, tokens)
     cfg = getattr(model, "cfg", None)
     differential = cfg is not None and cfg.scoring == "differential"
     attn_summary = diagnostics.summarize_attention([a["attn"] for a in aux], tokens=tokens)

@@ -3,6 +3,10 @@
     tokens [B, T] -> embed (+ learned positions) -> n_layers x Block -> final norm -> tied head -> logits [B, T, V]
     Block: x + Attn(Norm(x)), then x + MLP(Norm(x))       (pre-norm, GELU MLP)
 
+The file reads bottom-up as the model is built: the norm, the MLP, the block, then the model (``features`` -> ``head``
+for training, ``decode`` for generation, ``classify`` for sentence tasks, ``capturing`` for diagnostics), then how the
+layers run (remat policies, the stacked block) and the conversion of params between the two layer layouts.
+
 The layers are either a list of Blocks run by a Python loop, or (`runtime.scan_layers`) one Block whose parameters are
 stacked on a leading "layers" axis and run by jax.lax.scan: the program then holds one layer, so compile time and
 HLO size do not grow with depth, and FSDP gathers one layer's weights per scan iteration. Both layouts initialise
@@ -18,6 +22,8 @@ what makes resumed runs and seed-vmapped runs reproduce exactly.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -31,32 +37,8 @@ from coupled_qk_jax.precision import add_bias
 
 Array = jax.Array
 
-
-def _save_all_but_gathered(prim, *_, **params) -> bool:
-    """The "none" remat policy: every residual is saveable except the FSDP-gathered weights.
-
-    sharding.gather_weight is two layout constraints and a checkpoint_name(GATHERED): neither the named value nor the
-    constraints' outputs may be saved (saving the outer constraint's output would keep the gathered weight all the
-    same), so the backward pass re-gathers from the stored shard. Activation constraints are identities whose input
-    is saved instead. Written out because jax.checkpoint_policies.save_anything_except_these_names ignores its names
-    (on jax 0.10.2 it is `lambda *_, **__: True`): with it every layer's gathered weights were saved, a full copy of
-    the stacked weights on every device (docs/scaling.md, "Memory of the 350m train step")."""
-    if prim.name == "name":
-        return params.get("name") != shd.GATHERED
-    return prim.name != "sharding_constraint"
-
-
-REMAT_POLICIES = {
-    # Every block runs under jax.checkpoint with one of these. "none" saves every residual except the weights that
-    # FSDP gathered (sharding.GATHERED): the backward pass re-gathers them instead of keeping a full copy of every
-    # layer's weights alive from the forward pass (ZeRO-3). With nothing gathered (no fsdp) it would save all, so
-    # the unscanned stack then runs its blocks without a checkpoint.
-    # The scanned stack of layers (runtime.scan_layers) runs "none" as "dots" instead: see TransformerLM._scan_blocks.
-    "none": _save_all_but_gathered,
-    "full": None,  # save nothing but the block input: recompute the whole block in the backward pass
-    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-    "nothing_saveable": jax.checkpoint_policies.nothing_saveable,
-}
+RESIDUAL = ("batch", "length", "activation_embed")  # logical axes of the residual stream between blocks
+CACHE_AXES = ("layers", "batch", "length", "heads", "head_dim")  # logical axes of a KV-cache array [L, B, S, H, D]
 
 
 class Norm(nnx.Module):
@@ -102,6 +84,8 @@ def dropout(x: Array, rate: float, key: Array | None) -> Array:
 
 
 class Block(nnx.Module):
+    """One pre-norm transformer block, x [B, T, d_model] -> the same: x + Attn(Norm(x)), then x + MLP(Norm(x))."""
+
     def __init__(self, cfg: ModelConfig, layer_idx: int, key: Array, runtime: RuntimeConfig = RuntimeConfig()):
         self.cfg = cfg
         self.attn_norm = Norm(cfg)
@@ -110,60 +94,34 @@ class Block(nnx.Module):
             self.mlp_norm = Norm(cfg)
             self.mlp = MLP(cfg, layer_idx, key)
 
-    def __call__(self, x, shared_coupling=None, dropout_key=None, collect: bool = False, layer_idx=None):
+    def __call__(self, x: Array, dropout_key: Array | None = None, layer_idx: int | Array | None = None) -> Array:
         """x [B, T, d_model] -> the same; layer_idx: this block's depth (traced inside the layer scan)."""
         keys = (None, None) if dropout_key is None else tuple(jax.random.split(dropout_key))
-        out = self.attn(self.attn_norm(x), shared_coupling, collect=collect, layer_idx=layer_idx)
-        aux = None
-        if collect:
-            out, aux = out
-        x = x + dropout(out, self.cfg.dropout, keys[0])
+        x = x + dropout(self.attn(self.attn_norm(x), layer_idx), self.cfg.dropout, keys[0])
         if self.cfg.d_ff:
             x = x + dropout(self.mlp(self.mlp_norm(x)), self.cfg.dropout, keys[1])
-        return (x, aux) if collect else x
+        return x
 
-    def decode(self, x: Array, cache: dict[str, Array], positions: Array, shared_coupling=None, layer_idx=None):
+    def decode(self, x: Array, cache: dict[str, Array], positions: Array,
+               layer_idx: int | Array | None = None) -> tuple[Array, dict[str, Array]]:
         """The block on new tokens with the attention layer's KV cache (no dropout): -> (x, cache)."""
-        out, cache = self.attn.decode(self.attn_norm(x), cache, positions, shared_coupling, layer_idx)
+        out, cache = self.attn.decode(self.attn_norm(x), cache, positions, layer_idx)
         x = x + out
         if self.cfg.d_ff:
             x = x + self.mlp(self.mlp_norm(x))
         return x, cache
 
 
-RESIDUAL = ("batch", "length", "activation_embed")  # logical axes of the residual stream between blocks
-CACHE_AXES = ("layers", "batch", "length", "heads", "head_dim")  # logical axes of a KV-cache array [L, B, S, H, D]
-
-
-def _run_block(block: Block, x: Array, shared_coupling, dropout_key, layer_idx, collect: bool = False):
-    """One block, with its weights gathered over fsdp where it runs and its output pinned to the residual layout."""
-    out = shd.gather_weights(block)(x, shared_coupling, dropout_key, collect=collect, layer_idx=layer_idx)
-    x, aux = out if collect else (out, None)
-    return shd.constrain(x, RESIDUAL), aux
-
-
-def _run_block_output(block: Block, x: Array, shared_coupling, dropout_key, layer_idx) -> Array:
-    return _run_block(block, x, shared_coupling, dropout_key, layer_idx)[0]
-
-
-def stack_blocks(blocks: list[Block]) -> Block:
-    """One Block whose every Param is the blocks' Params stacked on a new leading axis, logical name "layers"."""
-    graphdef, first = nnx.split(blocks[0])
-    states = [first] + [nnx.split(b)[1] for b in blocks[1:]]
-
-    def stack(*variables):
-        meta = variables[0].get_metadata().get("logical_axes") or (None,) * variables[0].get_value().ndim
-        return variables[0].replace(value=jnp.stack([v.get_value() for v in variables]),
-                                    logical_axes=("layers",) + tuple(meta))
-
-    return nnx.merge(graphdef, jax.tree.map(stack, *states, is_leaf=lambda x: isinstance(x, nnx.Variable)))
-
-
 class TransformerLM(nnx.Module):
-    """Decoder-only LM. `TransformerLM(cfg, seed)`; `model(tokens)` -> float32 logits [B, T, vocab_size].
+    """Decoder-only LM. `TransformerLM(cfg, seed)`; `model(tokens)` -> float32 logits [B, T, vocab_size], which is
+    `model.head(model.features(tokens))`: a loss that scores a few positions (MQAR's answers,
+    training.steps.answer_logits) gathers them from the features and applies the head there alone.
 
     `runtime` (default: RuntimeConfig()) is how the function is computed: remat, the layer layout, the attention
-    kernel and the dynamics scan. Every runtime gives the same function from the same seed."""
+    kernel and the dynamics scan. Every runtime gives the same function from the same seed.
+
+    With model.coupling_scope="shared" the one coupling MLP f of every layer is `self.shared_coupling`, which the
+    model lends to each block where it runs it (`lend_shared_coupling`)."""
 
     def __init__(self, cfg: ModelConfig, seed: int | Array = 0, runtime: RuntimeConfig = RuntimeConfig()):
         self.cfg, self.runtime = cfg, runtime
@@ -181,68 +139,36 @@ class TransformerLM(nnx.Module):
             self.cls_head = normal_param(key, "cls_head", (cfg.d_model, cfg.num_labels), cfg.init_std, ("embed", None))
             self.cls_bias = const_param((cfg.num_labels,), 0.0, (None,))
 
-    def __call__(self, tokens: Array, *, dropout_key: Array | None = None, collect: bool = False,
-                 logit_positions: Array | None = None):
-        """tokens: int [B, T] with T <= max_len. Returns logits [B, T, V] (float32), plus a list of per-layer
-        intermediates (q/k before and after the transform, the attention matrix, Δt) when `collect=True`.
+    def __call__(self, tokens: Array, *, dropout_key: Array | None = None) -> Array:
+        """tokens: int [B, T] with T <= max_len -> logits [B, T, V] (float32)."""
+        return self.head(self.features(tokens, dropout_key=dropout_key))
 
-        logit_positions: int [B, K] -> logits [B, K, V] at those positions only. A loss that scores K << T positions
-        (MQAR's answers) skips the [B, T, V] head otherwise spent on ignored targets, as nanoGPT computes the head
-        at the last position only when generating; at zoology's vocabulary 8192 that head is most of a step."""
-        x, embed, collected = self._features(tokens, dropout_key, collect)
-        if logit_positions is not None:
-            x = jnp.take_along_axis(x, logit_positions[..., None].astype(jnp.int32), axis=1)
-        # Tied head: logits = x @ E^T, accumulated in float32.
-        logits = jnp.einsum("btd,vd->btv", x, embed.astype(jnp.dtype(self.cfg.dtype)),
-                            preferred_element_type=jnp.float32)
-        logits = shd.constrain(logits, ("batch", "length", "vocab"))
-        return (logits, collected) if collect else logits
-
-    def _features(self, tokens: Array, dropout_key: Array | None, collect: bool) -> tuple[Array, Array, list]:
-        """tokens [B, T] -> (the final hidden states [B, T, d_model] after the final norm, the gathered embedding
-        for the tied head, the per-layer intermediates when ``collect``)."""
+    def features(self, tokens: Array, *, dropout_key: Array | None = None) -> Array:
+        """tokens int [B, T] -> the final hidden states [B, T, d_model] in the compute dtype, after the final norm:
+        what `head` and `classify` read. dropout_key: None = no dropout."""
         cfg = self.cfg
-        t = tokens.shape[-1]
-        if t > cfg.max_len:
-            raise ValueError(f"sequence length {t} exceeds model.max_len={cfg.max_len}")
-        dtype = jnp.dtype(cfg.dtype)
-        embed = shd.gather_weight(self.embed, "embed")  # used twice: the lookup here and the tied head
-        x = jnp.take(embed, tokens, axis=0)
-        if cfg.positions == "learned":
-            x = x + shd.gather_weight(self.pos_embed, "pos_embed")[:t]
-        x = shd.constrain(x.astype(dtype), RESIDUAL)
+        if tokens.shape[-1] > cfg.max_len:
+            raise ValueError(f"sequence length {tokens.shape[-1]} exceeds model.max_len={cfg.max_len}")
+        x = self._embed(tokens)
         keys = None
         if dropout_key is not None and cfg.dropout > 0:
-            keys = jax.random.split(dropout_key, cfg.n_layers + 1)
+            keys = jax.random.split(dropout_key, cfg.n_layers + 1)  # one per layer, the last for the embedding
             x = dropout(x, cfg.dropout, keys[-1])
-        shared = getattr(self, "shared_coupling", None)
-        if shared is not None:
-            shared = shd.gather_weights(shared)
-        remat = self.runtime.remat
-        if self.runtime.scan_layers:
-            x, collected = self._scan_blocks(x, shared, keys, collect)
-        else:
-            collected = []
-            # remat="none" with nothing gathered saves every residual, so a checkpoint would only add its
-            # reduce_precision markers, which XLA keeps as fusion barriers.
-            run = _run_block_output
-            if remat != "none" or shd.fsdp_gathers():
-                run = nnx.remat(_run_block_output, policy=REMAT_POLICIES[remat])
-            for i, block in enumerate(self.blocks):
-                key = None if keys is None else keys[i]
-                if not collect:
-                    x = run(block, x, shared, key, i)
-                else:
-                    x, aux = _run_block(block, x, shared, key, i, collect)
-                    collected.append(aux)
-        x = shd.gather_weights(self.final_norm)(x)
-        return x, embed, collected
+        x = self._through_layers(_run_block, x, None if keys is None else keys[:-1], checkpointed=True)
+        return shd.gather_weights(self.final_norm)(x)
+
+    def head(self, hidden: Array) -> Array:
+        """The tied output head: hidden [B, K, d_model] (the features, or some positions of them) -> logits
+        [B, K, V] = hidden · Eᵀ, accumulated in float32."""
+        embed = shd.gather_weight(self.embed, "embed").astype(jnp.dtype(self.cfg.dtype))
+        logits = jnp.einsum("btd,vd->btv", hidden, embed, preferred_element_type=jnp.float32)
+        return shd.constrain(logits, ("batch", "length", "vocab"))
 
     def classify(self, tokens: Array, positions: Array, *, dropout_key: Array | None = None) -> Array:
         """The classification head (model.num_labels > 0): tokens [B, T] and positions int [B], each row's last
         real token -> float32 [B, num_labels] (a regression's value at [:, 0]), from the final hidden state there:
         a causal model has read the whole sequence only at its last token."""
-        x, _, _ = self._features(tokens, dropout_key, False)
+        x = self.features(tokens, dropout_key=dropout_key)
         last = jnp.take_along_axis(x, positions.astype(jnp.int32)[:, None, None], axis=1)[:, 0]  # [B, d_model]
         head = shd.gather_weight(self.cls_head, "cls_head").astype(last.dtype)
         return jnp.einsum("bd,dn->bn", last, head, preferred_element_type=jnp.float32) + self.cls_bias[...]
@@ -254,61 +180,96 @@ class TransformerLM(nnx.Module):
         cache: {"k", "v"}, each [n_layers, B, S, H, d_head] in the compute dtype (`generate.init_cache`); keys are
         stored after the QK transform. A prefill is `decode(prompts, cache, zeros)`, a decode step
         `decode(next_tokens[:, None], cache, positions)`; the logits equal those of `__call__` on the whole sequence.
+
+        Under a mesh (generate.Generator on sharded params) the same FSDP gathers and activation constraints as
+        __call__: each block's weights are gathered where it runs, the residual stream and the cache stay split
+        over batch (and the cache over heads). Without a mesh every shd.* call is the identity.
         """
-        # Under a mesh (generate.Generator on sharded params) the same FSDP gathers and activation constraints as
-        # __call__: each block's weights are gathered where it runs, the residual stream and the cache stay split
-        # over batch (and the cache over heads). Without a mesh every shd.* call below is the identity.
-        cfg = self.cfg
-        dtype = jnp.dtype(cfg.dtype)
         positions = start[:, None] + jnp.arange(tokens.shape[1])[None, :]  # [B, T]
-        embed = shd.gather_weight(self.embed, "embed")  # the lookup here and the tied head
-        x = jnp.take(embed, tokens, axis=0)
-        if cfg.positions == "learned":
-            x = x + jnp.take(shd.gather_weight(self.pos_embed, "pos_embed"), positions, axis=0)
-        x = shd.constrain(x.astype(dtype), RESIDUAL)
-        shared = getattr(self, "shared_coupling", None)
-        if shared is not None:
-            shared = shd.gather_weights(shared)
-        ks, vs = shd.constrain(cache["k"], CACHE_AXES), shd.constrain(cache["v"], CACHE_AXES)
-        if self.runtime.scan_layers:
-            # The whole cache rides in the scan carry and each layer updates its own slice in place: scanning the
-            # cache as xs/ys instead would build a second full cache every step (measured: temp memory 42 MB vs
-            # 9 MB for small's 34 MB cache).
-            graphdef, stacked = nnx.split(self.blocks)
 
-            def body(carry, xs):
-                x, ks, vs = carry
-                params, idx = xs
-                block = shd.gather_weights(nnx.merge(graphdef, params))
-                x, layer = block.decode(x, {"k": ks[idx], "v": vs[idx]}, positions, shared, idx)
-                ks = shd.constrain(ks.at[idx].set(layer["k"]), CACHE_AXES)
-                vs = shd.constrain(vs.at[idx].set(layer["v"]), CACHE_AXES)
-                return (shd.constrain(x, RESIDUAL), ks, vs), None
+        # The whole cache rides along as one carry and each layer updates its own slice in place: scanning the
+        # cache as the scan's xs/ys instead would build a second full cache every step (measured: temp memory
+        # 42 MB vs 9 MB for small's 34 MB cache).
+        def step(block: Block, carry: tuple[Array, Array, Array], layer_idx, _) -> tuple[Array, Array, Array]:
+            x, ks, vs = carry
+            x, layer = shd.gather_weights(block).decode(x, {"k": ks[layer_idx], "v": vs[layer_idx]}, positions,
+                                                        layer_idx)
+            ks = shd.constrain(ks.at[layer_idx].set(layer["k"]), CACHE_AXES)
+            vs = shd.constrain(vs.at[layer_idx].set(layer["v"]), CACHE_AXES)
+            return shd.constrain(x, RESIDUAL), ks, vs
 
-            (x, ks, vs), _ = jax.lax.scan(body, (x, ks, vs), (nnx.to_pure_dict(stacked), jnp.arange(cfg.n_layers)))
-        else:
-            for i, block in enumerate(self.blocks):
-                x, layer = shd.gather_weights(block).decode(x, {"k": ks[i], "v": vs[i]}, positions, shared)
-                x = shd.constrain(x, RESIDUAL)
-                ks = shd.constrain(ks.at[i].set(layer["k"]), CACHE_AXES)
-                vs = shd.constrain(vs.at[i].set(layer["v"]), CACHE_AXES)
-        x = shd.gather_weights(self.final_norm)(x)
-        logits = jnp.einsum("btd,vd->btv", x, embed.astype(dtype), preferred_element_type=jnp.float32)
-        return shd.constrain(logits, ("batch", "length", "vocab")), {"k": ks, "v": vs}
+        carry = (self._embed(tokens, positions),
+                 shd.constrain(cache["k"], CACHE_AXES), shd.constrain(cache["v"], CACHE_AXES))
+        x, ks, vs = self._through_layers(step, carry, None, checkpointed=False)
+        return self.head(shd.gather_weights(self.final_norm)(x)), {"k": ks, "v": vs}
 
-    def _scan_blocks(self, x: Array, shared, keys, collect: bool) -> tuple[Array, list]:
-        """jax.lax.scan over the stacked block: each iteration rebuilds one layer from its slice of the stacked
-        params (nnx.merge), with its layer index for per-layer constants and its dropout key."""
+    def capturing(self) -> TransformerLM:
+        """A copy of the model for a diagnostic forward: the same params and function, with attention layers that
+        sow their intermediates (CausalSelfAttention.capture_intermediates: q/k before and after the transform,
+        the attention weights, Δt) for nnx.capture(..., nnx.Intermediate) to collect; diagnostics.capture_layers
+        runs it. The copy runs its layers as a Python loop (a scanned model's params are unstacked,
+        `to_unscanned`), because values sown inside jax.lax.scan's body do not leave it, and without remat, since
+        nothing of it is differentiated. Its blocks hold the shared coupling MLP themselves: it is never saved."""
+        runtime = dataclasses.replace(self.runtime, scan_layers=False, remat="none")
+        graphdef, state = nnx.split(nnx.eval_shape(lambda: TransformerLM(self.cfg, 0, runtime)))
+        params = nnx.to_pure_dict(nnx.state(self, nnx.Param))
+        nnx.replace_by_pure_dict(state, to_unscanned(params) if self.runtime.scan_layers else params)
+        copy = nnx.merge(graphdef, state)
+        for i, block in enumerate(copy.blocks):
+            copy.blocks[i] = copy.lend_shared_coupling(block)
+            copy.blocks[i].attn.capture_intermediates = True
+        return copy
+
+    def lend_shared_coupling(self, block: Block) -> Block:
+        """`block` with this model's shared coupling MLP as its attention's `coupling` (model.coupling_scope
+        "shared"; any other scope, or a block that has one: `block` itself).
+
+        The loan goes to a copy of the block (nnx.split/merge: the same arrays), never to the model's own blocks:
+        NNX keeps a module that two attributes reference at the first path it meets in (sorted) attribute order,
+        which would move the MLP's params from `shared_coupling` to `blocks/0/attn/coupling`, and the scanned
+        layout's stacked block would stack it n_layers times."""
+        if not hasattr(self, "shared_coupling") or hasattr(block.attn, "coupling"):
+            return block
+        block = nnx.merge(*nnx.split(block))
+        block.attn.coupling = self.shared_coupling
+        return block
+
+    # -- the path every forward shares ---------------------------------------------------------------------------
+    def _embed(self, tokens: Array, positions: Array | None = None) -> Array:
+        """tokens int [B, T] -> the residual stream [B, T, d_model] in the compute dtype: the token embeddings plus,
+        with learned positions, those of positions 0..T-1 or of the absolute `positions` [B, T] (decode)."""
         cfg = self.cfg
+        x = jnp.take(shd.gather_weight(self.embed, "embed"), tokens, axis=0)
+        if cfg.positions == "learned":
+            pos_embed = shd.gather_weight(self.pos_embed, "pos_embed")
+            x = x + (pos_embed[:tokens.shape[-1]] if positions is None else jnp.take(pos_embed, positions, axis=0))
+        return shd.constrain(x.astype(jnp.dtype(cfg.dtype)), RESIDUAL)
+
+    def _through_layers(self, step: Callable, carry: Any, keys: Array | None, checkpointed: bool) -> Any:
+        """carry -> step(block, carry, layer_idx, key) for every layer in order, key = keys[layer_idx] (None
+        without keys), each block lent the shared coupling MLP (`lend_shared_coupling`).
+
+        Unscanned: a Python loop over the blocks, layer_idx a Python int. Scanned (runtime.scan_layers):
+        jax.lax.scan, each iteration rebuilding one layer from its slice of the stacked params (nnx.merge), with a
+        traced layer_idx. `checkpointed`: run each step (unscanned, nnx.remat) or the scan body (jax.checkpoint)
+        under runtime.remat's policy."""
+        remat = self.runtime.remat
+        if not self.runtime.scan_layers:
+            # remat="none" with nothing gathered saves every residual, so a checkpoint would only add its
+            # reduce_precision markers, which XLA keeps as fusion barriers.
+            if checkpointed and (remat != "none" or shd.fsdp_gathers()):
+                step = nnx.remat(step, policy=REMAT_POLICIES[remat])
+            for i, block in enumerate(self.blocks):
+                carry = step(self.lend_shared_coupling(block), carry, i, None if keys is None else keys[i])
+            return carry
+
         graphdef, stacked = nnx.split(self.blocks)
-        layer_keys = None if keys is None else keys[:-1]
 
-        def body(x, xs):
-            params, idx, key = xs
-            x, aux = _run_block(nnx.merge(graphdef, params), x, shared, key, idx, collect)
-            return x, aux
+        def body(carry, xs):
+            params, layer_idx, key = xs
+            return step(self.lend_shared_coupling(nnx.merge(graphdef, params)), carry, layer_idx, key), None
 
-        if not collect:
+        if checkpointed:
             # remat="none" saves only the weight matmuls' outputs here ("dots") and recomputes the rest of the block
             # in the backward loop. Saving everything, as the Python loop does, costs more in a scan: each residual
             # the backward pass reads (47 per layer at tiny: masks, exp, the GELU's and norms' pieces, the q/k/v
@@ -317,13 +278,59 @@ class TransformerLM(nnx.Module):
             # consumers as it does in one unrolled graph. Measured on CPU:
             # 0.79-0.94x the step time of saving everything at 0.37x its memory; vs the Python loop 0.93-1.08x
             # under glibc malloc, 1.08-1.15x under tcmalloc (the recomputation is that floor; other policies cost more).
-            remat = self.runtime.remat
             policy = REMAT_POLICIES["dots" if remat == "none" else remat]
             body = jax.checkpoint(body, policy=policy, prevent_cse=False)
-        x, aux = jax.lax.scan(body, x, (nnx.to_pure_dict(stacked), jnp.arange(cfg.n_layers), layer_keys))
-        if not collect:
-            return x, []
-        return x, [jax.tree.map(lambda a, i=i: a[i], aux) for i in range(cfg.n_layers)]
+        carry, _ = jax.lax.scan(body, carry, (nnx.to_pure_dict(stacked), jnp.arange(self.cfg.n_layers), keys))
+        return carry
+
+
+# ------------------------------------------------------------------------------------------- how the layers run
+def _run_block(block: Block, x: Array, layer_idx: int | Array, dropout_key: Array | None) -> Array:
+    """One block of the training forward, with its weights gathered over fsdp where it runs (inside the remat, so
+    that the backward pass gathers them again instead of keeping them) and its output pinned to the residual
+    layout."""
+    return shd.constrain(shd.gather_weights(block)(x, dropout_key, layer_idx), RESIDUAL)
+
+
+def _save_all_but_gathered(prim, *_, **params) -> bool:
+    """The "none" remat policy: every residual is saveable except the FSDP-gathered weights.
+
+    sharding.gather_weight is two layout constraints and a checkpoint_name(GATHERED): neither the named value nor the
+    constraints' outputs may be saved (saving the outer constraint's output would keep the gathered weight all the
+    same), so the backward pass re-gathers from the stored shard. Activation constraints are identities whose input
+    is saved instead. Written out because jax.checkpoint_policies.save_anything_except_these_names ignores its names
+    (on jax 0.10.2 it is `lambda *_, **__: True`): with it every layer's gathered weights were saved, a full copy of
+    the stacked weights on every device (docs/scaling.md, "Memory of the 350m train step")."""
+    if prim.name == "name":
+        return params.get("name") != shd.GATHERED
+    return prim.name != "sharding_constraint"
+
+
+REMAT_POLICIES = {
+    # Every block runs under jax.checkpoint with one of these. "none" saves every residual except the weights that
+    # FSDP gathered (sharding.GATHERED): the backward pass re-gathers them instead of keeping a full copy of every
+    # layer's weights alive from the forward pass (ZeRO-3). With nothing gathered (no fsdp) it would save all, so
+    # the unscanned stack then runs its blocks without a checkpoint.
+    # The scanned stack of layers (runtime.scan_layers) runs "none" as "dots" instead: see TransformerLM._through_layers.
+    "none": _save_all_but_gathered,
+    "full": None,  # save nothing but the block input: recompute the whole block in the backward pass
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "nothing_saveable": jax.checkpoint_policies.nothing_saveable,
+}
+
+
+def stack_blocks(blocks: list[Block]) -> Block:
+    """One Block whose every Param is the blocks' Params stacked on a new leading axis, logical name "layers"."""
+    graphdef, first = nnx.split(blocks[0])
+    states = [first] + [nnx.split(b)[1] for b in blocks[1:]]
+
+    def stack(*variables):
+        meta = variables[0].get_metadata().get("logical_axes") or (None,) * variables[0].get_value().ndim
+        return variables[0].replace(value=jnp.stack([v.get_value() for v in variables]),
+                                    logical_axes=("layers",) + tuple(meta))
+
+    return nnx.merge(graphdef, jax.tree.map(stack, *states, is_leaf=lambda x: isinstance(x, nnx.Variable)))
+
 
 
 # ------------------------------------------------------------------------------------------- layout conversion

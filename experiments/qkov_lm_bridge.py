@@ -10,7 +10,7 @@ training loop (``training.loop.train`` with ``train.num_seeds``, configured thro
 so the optimiser, schedule and data are exactly the sweep's; a stopped cell resumes from its checkpoint), measures
 validation perplexity over the *whole* validation split, then reads the attention of every layer on held-out
 validation windows
-(``model(tokens, collect=True)``) and computes, per layer and averaged over layers:
+(``diagnostics.capture_layers``) and computes, per layer and averaged over layers:
 
 * ``entropy``: mean row entropy of the attention (nats), over batch, heads and query rows;
 * ``entropy_norm``: the same with row ``i`` divided by ``log(i+1)`` (uniform causal attention = 1, one-hot = 0);
@@ -144,7 +144,7 @@ def make_collect_fn(graphdef: Any):
 
     def fn(params, inputs, targets):
         model = nnx.merge(graphdef, params)
-        logits, aux = model(inputs, collect=True)
+        logits, aux = diag.capture_layers(model, inputs)
         ok = targets >= 0
         prob = qm.true_label_prob(logits, jnp.where(ok, targets, 0))
         return [layer_samples(a["attn"], inputs, ok) for a in aux], prob

@@ -25,7 +25,7 @@ from benchmarks import memory_model
 from flax import nnx
 
 from coupled_qk_jax.config import ModelConfig, RuntimeConfig
-from coupled_qk_jax.model import REMAT_POLICIES, Block, TransformerLM, _run_block_output
+from coupled_qk_jax.model import REMAT_POLICIES, Block, TransformerLM, _run_block
 from coupled_qk_jax.training import steps
 
 L, B, T = 3, 2, 256
@@ -91,7 +91,7 @@ def test_everything_policy_matches_one_block(variant, dtype, extra):
                       coupling_hidden=12, dtype=dtype, n_steps=extra.get("n_steps", 1))
     runtime = RuntimeConfig(attention_impl="explicit", dynamics_backward=extra.get("dynamics_backward", "reversible"))
     graphdef, params = nnx.split(Block(cfg, 0, jax.random.key(0), runtime))
-    plain = lambda p, x: _run_block_output(nnx.merge(graphdef, p), x, None, None, 0)
+    plain = lambda p, x: _run_block(nnx.merge(graphdef, p), x, 0, None)
     args = (nnx.to_pure_dict(params), jnp.zeros((B, T, cfg.d_model), dtype))
 
     def saved(fn) -> int:

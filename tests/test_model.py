@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from coupled_qk_jax import diagnostics
 from coupled_qk_jax.attention import CausalSelfAttention, lambda_init
 from coupled_qk_jax.config import ALL_VARIANTS, DYNAMICS_METHOD, ModelConfig, RuntimeConfig
 from coupled_qk_jax.configs import lm
@@ -69,6 +70,20 @@ def test_shared_coupling_scope_and_per_head_params():
     assert count_params(per_head) - base == 2 * (4 * mlp + 4)
     for m in (shared, per_head):
         assert np.isfinite(np.asarray(randomize_transforms(m)(TOKENS))).all()
+
+
+def test_shared_coupling_is_lent_not_stored_in_the_blocks():
+    """The shared f keeps its one path (shared_coupling/...), the blocks hold no copy of it after any forward, and
+    the layers really use it: changing it changes the logits, in the forward and in the diagnostic forward alike."""
+    model = randomize_transforms(make("coupled_euler", coupling_scope="shared"))
+    logits, _ = diagnostics.capture_layers(model, TOKENS)
+    np.testing.assert_allclose(logits, model(TOKENS), rtol=1e-6, atol=1e-6)
+    paths = ["/".join(map(str, p)) for p, _ in nnx.to_flat_state(nnx.state(model))]
+    assert [p for p in paths if "coupling" in p] == [f"shared_coupling/{n}" for n in ("b1", "b2", "w1", "w2")]
+    assert not nnx.state(model, nnx.Intermediate)  # the capture ran on a copy
+    before = model(TOKENS)
+    model.shared_coupling.b2[...] = model.shared_coupling.b2[...] + 1.0
+    assert not np.allclose(model(TOKENS), before)
 
 
 @pytest.mark.parametrize("variant", ALL_VARIANTS)
@@ -189,9 +204,9 @@ def test_bad_config_differential_head_split_and_unknown_field():
         make("standard")(jnp.zeros((1, 17), jnp.int32))
 
 
-def test_collect_returns_diagnostics_inputs():
+def test_capture_layers_returns_diagnostics_inputs():
     model = randomize_transforms(make("coupled_euler"))
-    logits, layers = model(TOKENS, collect=True)
+    logits, layers = diagnostics.capture_layers(model, TOKENS)
     np.testing.assert_allclose(logits, model(TOKENS), rtol=1e-6, atol=1e-6)
     assert len(layers) == SMALL["n_layers"]
     attn = np.asarray(layers[0]["attn"])
@@ -202,11 +217,12 @@ def test_collect_returns_diagnostics_inputs():
 
 
 @pytest.mark.parametrize("variant", ["coupled_leapfrog", "coupled_euler+differential"])
-def test_collect_at_multi_block_length(variant):
-    """At T = 130 the default explicit path runs 2 query blocks; collect runs that kernel and returns its weights."""
+def test_capture_layers_at_multi_block_length(variant):
+    """At T = 130 the default explicit path runs 2 query blocks; the diagnostic forward runs that kernel and returns
+    its weights."""
     model = randomize_transforms(make(variant, max_len=130))
     tokens = jax.random.randint(jax.random.key(5), (1, 130), 0, SMALL["vocab_size"])
-    logits, layers = nnx.jit(lambda m, t: m(t, collect=True))(model, tokens)
+    logits, layers = nnx.jit(diagnostics.capture_layers)(model, tokens)
     np.testing.assert_allclose(logits, nnx.jit(lambda m, t: m(t))(model, tokens), rtol=1e-5, atol=1e-5)
     aux = layers[1]
     q, k = (np.asarray(aux[n], np.float64) for n in ("q_after", "k_after"))

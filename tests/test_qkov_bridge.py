@@ -80,7 +80,7 @@ def test_cell_end_to_end(tmp_path, text_dir):
     small = {"d_model": 32, "n_layers": 2, "n_heads": 4, "d_ff": 64, "max_len": 32, "coupling_hidden": 6,
              "affine_hidden": 6}
     # One cell, two seeds; the compiles dominate the time, so the cheaper-to-compile standard variant is used
-    # (the coupled variants return their attention through the same `collect=True` path).
+    # (the coupled variants return their attention through the same diagnostics.capture_layers path).
     cell = bridge.run_cell("standard", 5.0, workdir=tmp_path / "run", scale="tiny", steps=3, seeds=[0, 1],
                            corpus=corpus, cache_dir=str(tmp_path / "cache"), tokenizer="byte", diag_batches=1, eval_points=1,
                            model_overrides=small, train_overrides={"batch_size": 8})

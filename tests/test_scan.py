@@ -4,7 +4,7 @@ same numbers.
 
 For every variant: the same initial values (the stacked block is the list's blocks stacked), the same loss and
 gradients in fp32 (rtol 1e-5; 2 layers, whose DiffAttn λ_init differ, 0.2 and 0.36, so a wrong layer index
-inside the scan changes the loss), with remat, the shared coupling MLP, dropout and `collect`; and a train
+inside the scan changes the loss), with remat, the shared coupling MLP, dropout and the diagnostic forward; and a train
 state saved in one layout restores in the other with the same values (orbax, and the training loop's resume).
 """
 
@@ -19,6 +19,7 @@ import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 
+from coupled_qk_jax import diagnostics
 from coupled_qk_jax.config import ALL_VARIANTS, ModelConfig, RuntimeConfig
 from coupled_qk_jax.model import TransformerLM, to_scanned, to_unscanned
 from coupled_qk_jax.training import steps
@@ -96,12 +97,15 @@ def test_scanned_equals_unscanned_with_remat_shared_coupling_and_dropout(extra):
         assert abs(float(loss_and_grads(g0, p0, batch, jax.random.key(4))[0]) - float(l0)) > 1e-4
 
 
-def test_collect_is_per_layer_in_both_layouts():
-    """Diagnostics (collect=True) get a list of per-layer dicts from the scan too, equal to the loop's."""
+def test_capture_layers_is_per_layer_in_both_layouts():
+    """Diagnostics (diagnostics.capture_layers) get a list of per-layer dicts from a scanned model too, equal to the
+    loop's, and logits equal to the model's own forward."""
     g0, g1, p0, batch = pair(ModelConfig(variant="coupled_euler+differential", **TINY))
     # jitted: op-by-op dispatch of the two forwards costs more than compiling them
-    out0 = jax.jit(lambda p, x: nnx.merge(g0, p)(x, collect=True))(p0, batch["inputs"])
-    out1 = jax.jit(lambda p, x: nnx.merge(g1, p)(x, collect=True))(to_scanned(p0), batch["inputs"])
+    out0 = jax.jit(lambda p, x: diagnostics.capture_layers(nnx.merge(g0, p), x))(p0, batch["inputs"])
+    out1 = jax.jit(lambda p, x: diagnostics.capture_layers(nnx.merge(g1, p), x))(to_scanned(p0), batch["inputs"])
+    plain = jax.jit(lambda p, x: nnx.merge(g1, p)(x))(to_scanned(p0), batch["inputs"])
+    np.testing.assert_allclose(out1[0], plain, rtol=RTOL, atol=1e-6)
     np.testing.assert_allclose(out1[0], out0[0], rtol=RTOL, atol=1e-6)
     assert len(out1[1]) == len(out0[1]) == TINY["n_layers"]
     for a, b in zip(out0[1], out1[1]):

@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 from coupled_qk_jax import dynamics
 from coupled_qk_jax import sharding as shd
 from coupled_qk_jax.config import ALL_VARIANTS, ModelConfig, RuntimeConfig
-from coupled_qk_jax.model import REMAT_POLICIES, Block, TransformerLM, _run_block_output, to_scanned, to_unscanned
+from coupled_qk_jax.model import REMAT_POLICIES, Block, TransformerLM, _run_block, to_scanned, to_unscanned
 from coupled_qk_jax.training import steps
 from coupled_qk_jax.training.checkpoint import abstract_target
 
@@ -386,7 +386,7 @@ def test_gathered_weights_are_not_saved_for_the_backward_pass():
     cfg = ModelConfig(variant="coupled_euler", **TINY)
     graphdef, params = nnx.split(Block(cfg, 0, jax.random.key(0)))
     params = nnx.to_pure_dict(params)
-    fn = jax.checkpoint(lambda p, x: _run_block_output(nnx.merge(graphdef, p), x, None, None, 0),
+    fn = jax.checkpoint(lambda p, x: _run_block(nnx.merge(graphdef, p), x, 0, None),
                         policy=REMAT_POLICIES["none"])
     out = io.StringIO()
     with contextlib.redirect_stdout(out):

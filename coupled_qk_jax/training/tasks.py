@@ -51,7 +51,7 @@ from coupled_qk_jax.errors import UserError
 from coupled_qk_jax.training import rundir
 from coupled_qk_jax.training.config import RunConfig, TrainConfig
 from coupled_qk_jax.training.evaluate import evaluate_tokens
-from coupled_qk_jax.training.steps import label_loss, make_eval_step, masked_cross_entropy
+from coupled_qk_jax.training.steps import answer_logits, label_loss, make_eval_step, masked_cross_entropy
 
 Evaluator = Callable[..., dict[str, Any]]
 
@@ -353,7 +353,7 @@ class MQARTask(_ExampleTask):
         def scores(params, batch):
             # Logits at the N answer positions only: [B, N, V], not [B, T, V].
             positions = batch["answer_positions"]
-            logits = nnx.merge(graphdef, params)(batch["inputs"], logit_positions=positions)
+            logits = answer_logits(nnx.merge(graphdef, params), batch["inputs"], positions)
             nll_sum, count = masked_cross_entropy(logits, jnp.take_along_axis(batch["targets"], positions, axis=1))
             # argmax on the device: only [B, N] predictions leave it, not [B, N, V] logits.
             return jnp.argmax(logits, axis=-1).astype(jnp.int32), nll_sum, count
