@@ -78,7 +78,7 @@ ADDED_FIELDS = {"train.early_stop.metric": "", "train.early_stop.mode": "max", "
                 "model.num_labels": 0}
 # Fields the code no longer has, with their last default: a run that used it is read (resumed, evaluated) as if the
 # field had never existed; a run that set another value is refused (this version cannot reproduce its results).
-REMOVED_FIELDS = {"model.coupling_lowering": "batched"}  # removed in ab94b09 (one lowering of f over heads)
+REMOVED_FIELDS = {"model.coupling_lowering": "batched"}  # one lowering of f over heads is left
 # config.json's schema: written as its "schema_version" key. 1: no key (every run before the key existed). 3: the
 # runtime block, whose fields were model.* fields before (read from there in older runs).
 SCHEMA_VERSION, SCHEMA_KEY = 3, "schema_version"
