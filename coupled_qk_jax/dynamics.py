@@ -30,6 +30,8 @@ Backward pass (`backward=`, `runtime.dynamics_backward`):
 - "autodiff": reverse-mode through the plain scan; XLA keeps every step's residuals (q, f's hidden layer, k, f(q))
   from the forward until the backward, so memory grows with n.
 - "reversible": nothing per step is kept from the forward to the backward pass, so memory does not grow with n.
+  At n = 1 it is autodiff: one step's residuals are no more than n = 1 always kept, and the custom VJPs below
+  would evaluate f once (Euler) or twice (leapfrog) more.
   Leapfrog is time-reversible: its custom VJP (`_leapfrog_reversible`) rebuilds the states by integrating backwards
   from (q_n, k_n), one f evaluation per step. Euler and the uncoupled ablation are not explicitly invertible: their
   custom VJP (`_recompute`) keeps the inputs and re-runs the steps at the start of the layer's backward pass, so
@@ -65,11 +67,16 @@ BACKWARDS = ("reversible", "autodiff")
 def coupling_mlp(params: Mapping[str, Array], x: Array) -> Array:
     """f(x) = silu(x @ w1 + b1) @ w2 + b2.
 
-    params: w1 [d, h], b1 [h], w2 [h, d], b2 [d].  x: [..., d]  ->  [..., d]. The bias adds run in float32
-    (precision.add_bias), so the biases' gradients are float32 sums over tokens.
+    params: w1 [d, h], b1 [h], w2 [h, e], b2 [e].  x: [..., d]  ->  [..., e] (e = d in the dynamics). The bias
+    adds run in float32 (precision.add_bias), so the biases' gradients are float32 sums over tokens.
+
+    x is read as one [rows, d] matrix (a free reshape): the weight gradients are then plain [d, rows] @ [rows, h]
+    products, where on [B, T, H, d] XLA:CPU transposed every hidden-layer cotangent first (a dynamics step's
+    forward and backward took about a third less time on the flat view at the tiny-peer shape).
     """
-    hidden = jax.nn.silu(add_bias(x @ params["w1"], params["b1"]))
-    return add_bias(hidden @ params["w2"], params["b2"])
+    rows = x.reshape(-1, x.shape[-1])
+    hidden = jax.nn.silu(add_bias(rows @ params["w1"], params["b1"]))
+    return add_bias(hidden @ params["w2"], params["b2"]).reshape(x.shape[:-1] + (-1,))
 
 
 def _acc_dtype(dtype) -> jnp.dtype:
@@ -143,7 +150,10 @@ def integrate(
     """
     _check(method, n_steps, backward)
     dt = jnp.asarray(dt).astype(_acc_dtype(q.dtype))
-    if backward == "autodiff":
+    if backward == "autodiff" or n_steps == 1:
+        # At n = 1 the reversible VJPs would keep the same inputs as autodiff plus their own, and evaluate f once or
+        # twice more: autodiff's one step of residuals is the cheaper backward there (and n = 1's memory stays the
+        # most any n needs, since the reversible backward keeps nothing per step).
         return _scan(q, k, dt, f, n_steps, method, unroll)
     f_flat, f_consts = jax.closure_convert(f, q)  # f's params become explicit arguments of the custom VJPs
     if method == "leapfrog":
@@ -390,15 +400,5 @@ def evolve_heads_batched(
     [..., H, d_head]. `backward`: see `integrate`. One batched f measured as fast as a vmap over heads or faster.
     """
     n_heads = _check_heads(q, k, dt, method, n_steps, backward)
-    if per_head_params or q.ndim < 3:
-        f = functools.partial(coupling_mlp_heads if per_head_params else coupling_mlp, params)
-        return integrate(q, k, jnp.reshape(dt, (n_heads, 1)), f, n_steps, method, unroll, backward)
-    # A shared f acts on each d-vector alone, so the steps can run on the heads-major view [..., H, T, d] of
-    # [..., T, H, d] (Δt as [H, 1, 1]): the same values, but the attention kernel reads q and k heads-major, and
-    # on CPU XLA then folds both swaps into the projections instead of fusing the update into a transposing copy
-    # of every query block (−0.28 GFLOP and −109 MB per tiny-peer
-    # step). The swaps are free where the layouts already agree.
-    f = functools.partial(coupling_mlp, params)
-    q, k = jnp.swapaxes(q, -2, -3), jnp.swapaxes(k, -2, -3)
-    q, k = integrate(q, k, jnp.reshape(dt, (n_heads, 1, 1)), f, n_steps, method, unroll, backward)
-    return jnp.swapaxes(q, -2, -3), jnp.swapaxes(k, -2, -3)
+    f = functools.partial(coupling_mlp_heads if per_head_params else coupling_mlp, params)
+    return integrate(q, k, jnp.reshape(dt, (n_heads, 1)), f, n_steps, method, unroll, backward)
