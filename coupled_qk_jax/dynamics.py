@@ -69,14 +69,9 @@ def coupling_mlp(params: Mapping[str, Array], x: Array) -> Array:
 
     params: w1 [d, h], b1 [h], w2 [h, e], b2 [e].  x: [..., d]  ->  [..., e] (e = d in the dynamics). The bias
     adds run in float32 (precision.add_bias), so the biases' gradients are float32 sums over tokens.
-
-    x is read as one [rows, d] matrix (a free reshape): the weight gradients are then plain [d, rows] @ [rows, h]
-    products, where on [B, T, H, d] XLA:CPU transposed every hidden-layer cotangent first (a dynamics step's
-    forward and backward took about a third less time on the flat view at the tiny-peer shape).
     """
-    rows = x.reshape(-1, x.shape[-1])
-    hidden = jax.nn.silu(add_bias(rows @ params["w1"], params["b1"]))
-    return add_bias(hidden @ params["w2"], params["b2"]).reshape(x.shape[:-1] + (-1,))
+    hidden = jax.nn.silu(add_bias(x @ params["w1"], params["b1"]))
+    return add_bias(hidden @ params["w2"], params["b2"])
 
 
 def _acc_dtype(dtype) -> jnp.dtype:
@@ -400,5 +395,27 @@ def evolve_heads_batched(
     [..., H, d_head]. `backward`: see `integrate`. One batched f measured as fast as a vmap over heads or faster.
     """
     n_heads = _check_heads(q, k, dt, method, n_steps, backward)
-    f = functools.partial(coupling_mlp_heads if per_head_params else coupling_mlp, params)
-    return integrate(q, k, jnp.reshape(dt, (n_heads, 1)), f, n_steps, method, unroll, backward)
+    if per_head_params or q.ndim < 3:
+        f = functools.partial(coupling_mlp_heads if per_head_params else coupling_mlp, params)
+        return integrate(q, k, jnp.reshape(dt, (n_heads, 1)), f, n_steps, method, unroll, backward)
+
+    # A shared f acts on each d-vector alone, so its layout is free; the best one depends on the compiler, and
+    # jax.lax.platform_dependent picks it per lowering platform (an ahead-of-time TPU compile from a CPU host too).
+    # CPU: f on one [rows, d] matrix (a free reshape) with the states in the layer's [B, T, H, d]. XLA:CPU then
+    # computes the weight gradients as plain [d, rows] @ [rows, h] products; on the 4-D view it transposed every
+    # hidden-layer cotangent first, and a dynamics step's forward and backward took about a third longer.
+    def on_rows(q, k):
+        def f(x):
+            return coupling_mlp(params, x.reshape(-1, x.shape[-1])).reshape(x.shape)
+
+        return integrate(q, k, jnp.reshape(dt, (n_heads, 1)), f, n_steps, method, unroll, backward)
+
+    # Elsewhere: the states heads-major [..., H, T, d] (Δt as [H, 1, 1]), the layout the fused attention kernels
+    # read; on TPU the [rows, d] view costs relayouts (the compiler's bytes accessed at tiny, n = 7: +47%).
+    def heads_major(q, k):
+        q, k = jnp.swapaxes(q, -2, -3), jnp.swapaxes(k, -2, -3)
+        f = functools.partial(coupling_mlp, params)
+        q, k = integrate(q, k, jnp.reshape(dt, (n_heads, 1, 1)), f, n_steps, method, unroll, backward)
+        return jnp.swapaxes(q, -2, -3), jnp.swapaxes(k, -2, -3)
+
+    return jax.lax.platform_dependent(q, k, cpu=on_rows, default=heads_major)
