@@ -30,8 +30,9 @@ Backward pass (`backward=`, `runtime.dynamics_backward`):
 - "autodiff": reverse-mode through the plain scan; XLA keeps every step's residuals (q, f's hidden layer, k, f(q))
   from the forward until the backward, so memory grows with n.
 - "reversible": nothing per step is kept from the forward to the backward pass, so memory does not grow with n.
-  At n = 1 it is autodiff: one step's residuals are no more than n = 1 always kept, and the custom VJPs below
-  would evaluate f once (Euler) or twice (leapfrog) more.
+  At n = 1 on CPU it is autodiff: one step's residuals are no more than n = 1 always kept, and the custom VJPs
+  below would evaluate f once (Euler) or twice (leapfrog) more (elsewhere the TPU compiler counts autodiff as
+  the costlier there, so the custom VJPs stay).
   Leapfrog is time-reversible: its custom VJP (`_leapfrog_reversible`) rebuilds the states by integrating backwards
   from (q_n, k_n), one f evaluation per step. Euler and the uncoupled ablation are not explicitly invertible: their
   custom VJP (`_recompute`) keeps the inputs and re-runs the steps at the start of the layer's backward pass, so
@@ -145,15 +146,23 @@ def integrate(
     """
     _check(method, n_steps, backward)
     dt = jnp.asarray(dt).astype(_acc_dtype(q.dtype))
-    if backward == "autodiff" or n_steps == 1:
-        # At n = 1 the reversible VJPs would keep the same inputs as autodiff plus their own, and evaluate f once or
-        # twice more: autodiff's one step of residuals is the cheaper backward there (and n = 1's memory stays the
-        # most any n needs, since the reversible backward keeps nothing per step).
+    if backward == "autodiff":
         return _scan(q, k, dt, f, n_steps, method, unroll)
-    f_flat, f_consts = jax.closure_convert(f, q)  # f's params become explicit arguments of the custom VJPs
-    if method == "leapfrog":
-        return _leapfrog_reversible(f_flat, n_steps, unroll, q, k, dt, *f_consts)
-    return _recompute(f_flat, n_steps, method, unroll, q, k, dt, *f_consts)
+
+    def reversible(q, k, dt):
+        f_flat, f_consts = jax.closure_convert(f, q)  # f's params become explicit arguments of the custom VJPs
+        if method == "leapfrog":
+            return _leapfrog_reversible(f_flat, n_steps, unroll, q, k, dt, *f_consts)
+        return _recompute(f_flat, n_steps, method, unroll, q, k, dt, *f_consts)
+
+    if n_steps > 1:
+        return reversible(q, k, dt)
+    # At n = 1 the reversible VJPs keep the inputs and evaluate f once (Euler) or twice (leapfrog) more than
+    # autodiff, whose one step of residuals is then no more than n = 1's memory. On CPU autodiff is the faster step;
+    # the TPU compiler counts more bytes accessed and a higher peak for it (the 60m train step: +8%, +9%), so
+    # elsewhere n = 1 keeps the reversible VJP. jax.lax.platform_dependent picks per lowering platform.
+    return jax.lax.platform_dependent(q, k, dt, cpu=lambda q, k, dt: _scan(q, k, dt, f, 1, method, unroll),
+                                      default=reversible)
 
 
 def _scan(q: Array, k: Array, dt: Array, f: Force, n_steps: int, method: str,
