@@ -30,9 +30,6 @@ Backward pass (`backward=`, `runtime.dynamics_backward`):
 - "autodiff": reverse-mode through the plain scan; XLA keeps every step's residuals (q, f's hidden layer, k, f(q))
   from the forward until the backward, so memory grows with n.
 - "reversible": nothing per step is kept from the forward to the backward pass, so memory does not grow with n.
-  At n = 1 on CPU it is autodiff: one step's residuals are no more than n = 1 always kept, and the custom VJPs
-  below would evaluate f once (Euler) or twice (leapfrog) more (elsewhere the TPU compiler counts autodiff as
-  the costlier there, so the custom VJPs stay).
   Leapfrog is time-reversible: its custom VJP (`_leapfrog_reversible`) rebuilds the states by integrating backwards
   from (q_n, k_n), one f evaluation per step. Euler and the uncoupled ablation are not explicitly invertible: their
   custom VJP (`_recompute`) keeps the inputs and re-runs the steps at the start of the layer's backward pass, so
@@ -68,8 +65,8 @@ BACKWARDS = ("reversible", "autodiff")
 def coupling_mlp(params: Mapping[str, Array], x: Array) -> Array:
     """f(x) = silu(x @ w1 + b1) @ w2 + b2.
 
-    params: w1 [d, h], b1 [h], w2 [h, e], b2 [e].  x: [..., d]  ->  [..., e] (e = d in the dynamics). The bias
-    adds run in float32 (precision.add_bias), so the biases' gradients are float32 sums over tokens.
+    params: w1 [d, h], b1 [h], w2 [h, d], b2 [d].  x: [..., d]  ->  [..., d]. The bias adds run in float32
+    (precision.add_bias), so the biases' gradients are float32 sums over tokens.
     """
     hidden = jax.nn.silu(add_bias(x @ params["w1"], params["b1"]))
     return add_bias(hidden @ params["w2"], params["b2"])
@@ -148,21 +145,10 @@ def integrate(
     dt = jnp.asarray(dt).astype(_acc_dtype(q.dtype))
     if backward == "autodiff":
         return _scan(q, k, dt, f, n_steps, method, unroll)
-
-    def reversible(q, k, dt):
-        f_flat, f_consts = jax.closure_convert(f, q)  # f's params become explicit arguments of the custom VJPs
-        if method == "leapfrog":
-            return _leapfrog_reversible(f_flat, n_steps, unroll, q, k, dt, *f_consts)
-        return _recompute(f_flat, n_steps, method, unroll, q, k, dt, *f_consts)
-
-    if n_steps > 1:
-        return reversible(q, k, dt)
-    # At n = 1 the reversible VJPs keep the inputs and evaluate f once (Euler) or twice (leapfrog) more than
-    # autodiff, whose one step of residuals is then no more than n = 1's memory. On CPU autodiff is the faster step;
-    # the TPU compiler counts more bytes accessed and a higher peak for it (the 60m train step: +8%, +9%), so
-    # elsewhere n = 1 keeps the reversible VJP. jax.lax.platform_dependent picks per lowering platform.
-    return jax.lax.platform_dependent(q, k, dt, cpu=lambda q, k, dt: _scan(q, k, dt, f, 1, method, unroll),
-                                      default=reversible)
+    f_flat, f_consts = jax.closure_convert(f, q)  # f's params become explicit arguments of the custom VJPs
+    if method == "leapfrog":
+        return _leapfrog_reversible(f_flat, n_steps, unroll, q, k, dt, *f_consts)
+    return _recompute(f_flat, n_steps, method, unroll, q, k, dt, *f_consts)
 
 
 def _scan(q: Array, k: Array, dt: Array, f: Force, n_steps: int, method: str,
@@ -407,24 +393,12 @@ def evolve_heads_batched(
     if per_head_params or q.ndim < 3:
         f = functools.partial(coupling_mlp_heads if per_head_params else coupling_mlp, params)
         return integrate(q, k, jnp.reshape(dt, (n_heads, 1)), f, n_steps, method, unroll, backward)
-
-    # A shared f acts on each d-vector alone, so its layout is free; the best one depends on the compiler, and
-    # jax.lax.platform_dependent picks it per lowering platform (an ahead-of-time TPU compile from a CPU host too).
-    # CPU: f on one [rows, d] matrix (a free reshape) with the states in the layer's [B, T, H, d]. XLA:CPU then
-    # computes the weight gradients as plain [d, rows] @ [rows, h] products; on the 4-D view it transposed every
-    # hidden-layer cotangent first, and a dynamics step's forward and backward took about a third longer.
-    def on_rows(q, k):
-        def f(x):
-            return coupling_mlp(params, x.reshape(-1, x.shape[-1])).reshape(x.shape)
-
-        return integrate(q, k, jnp.reshape(dt, (n_heads, 1)), f, n_steps, method, unroll, backward)
-
-    # Elsewhere: the states heads-major [..., H, T, d] (Δt as [H, 1, 1]), the layout the fused attention kernels
-    # read; on TPU the [rows, d] view costs relayouts (the compiler's bytes accessed at tiny, n = 7: +47%).
-    def heads_major(q, k):
-        q, k = jnp.swapaxes(q, -2, -3), jnp.swapaxes(k, -2, -3)
-        f = functools.partial(coupling_mlp, params)
-        q, k = integrate(q, k, jnp.reshape(dt, (n_heads, 1, 1)), f, n_steps, method, unroll, backward)
-        return jnp.swapaxes(q, -2, -3), jnp.swapaxes(k, -2, -3)
-
-    return jax.lax.platform_dependent(q, k, cpu=on_rows, default=heads_major)
+    # A shared f acts on each d-vector alone, so the steps can run on the heads-major view [..., H, T, d] of
+    # [..., T, H, d] (Δt as [H, 1, 1]): the same values, but the attention kernel reads q and k heads-major, and
+    # on CPU XLA then folds both swaps into the projections instead of fusing the update into a transposing copy
+    # of every query block (−0.28 GFLOP and −109 MB per tiny-peer
+    # step). The swaps are free where the layouts already agree.
+    f = functools.partial(coupling_mlp, params)
+    q, k = jnp.swapaxes(q, -2, -3), jnp.swapaxes(k, -2, -3)
+    q, k = integrate(q, k, jnp.reshape(dt, (n_heads, 1, 1)), f, n_steps, method, unroll, backward)
+    return jnp.swapaxes(q, -2, -3), jnp.swapaxes(k, -2, -3)
