@@ -1,6 +1,7 @@
 """The dynamics' backward pass (`runtime.dynamics_backward`): compiled memory, FLOPs and reconstruction drift.
 
     python benchmarks/bench_dynamics_backward.py --scale tiny --out benchmarks/results/cpu_dynamics_backward.md
+    python benchmarks/bench_dynamics_backward.py --scale tiny-peer --backwards reversible --skip_drift   # a peer shape
 
 No wall-clock timing (that is bench_attention.py's job, on an idle machine). Three measurements:
 
@@ -26,9 +27,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bench_attention import scale_config
 from coupled_qk_jax import dynamics
 from coupled_qk_jax.config import ModelConfig, RuntimeConfig
-from coupled_qk_jax.configs import lm
 from coupled_qk_jax.model import TransformerLM
 from coupled_qk_jax.training.config import TrainConfig
 from coupled_qk_jax.training.optimizer import make_optimizer
@@ -46,7 +47,7 @@ def compiled_step(cfg: ModelConfig, runtime: RuntimeConfig, train_cfg: TrainConf
 
 
 def memory_row(variant: str, n_steps: int, backward: str, args) -> dict:
-    cfg = lm.get_config(f"{variant},{args.scale}")
+    cfg = scale_config(variant, args.scale)  # configs/lm.py's scales and bench_attention's peer shapes
     fields = dict(cfg.model, n_steps=n_steps, dtype=args.dtype)
     runtime = RuntimeConfig.from_dict(dict(cfg.runtime, dynamics_backward=backward))
     batch, seq = args.batch or cfg.train.batch_size, cfg.model.max_len

@@ -47,7 +47,6 @@ PYTHONPATH, whose commit is recorded. Needs libtpu (pip install "jax[tpu]==<jax 
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 import os
 import subprocess
@@ -66,27 +65,15 @@ WHOLE_TOLERANCE = 1.25
 
 
 # ----------------------------------------------------------------------------------------------------- configs
-def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
-    """'coupled_euler:n_steps=7:dynamics_backward=autodiff' -> ('coupled_euler', {'n_steps': 7, ...})."""
-    name, *opts = spec.split(":")
-    overrides: dict[str, Any] = {}
-    for opt in opts:
-        key, _, value = opt.partition("=")
-        try:
-            overrides[key] = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            overrides[key] = value  # a bare string such as dynamics_backward=autodiff
-    return name, overrides
-
-
 def cell_config(spec: str, scale: str, chips: int, dtype: str, mode: str) -> Any:
     """aot_report's config of (variant, scale) on `chips` (pure FSDP, one sequence per chip) with the spec's
     overrides, `dtype`, and the layer and dynamics loops of `mode`."""
-    from aot_report import config  # noqa: PLC0415 - this script's sibling (the script's own folder is on sys.path)
+    from aot_report import config  # noqa: PLC0415 - this script's siblings (the script's own folder is on sys.path)
+    from bench_attention import parse_variant_spec  # noqa: PLC0415
 
     from coupled_qk_jax.config import RUNTIME_FIELD_NAMES  # noqa: PLC0415
 
-    variant, overrides = parse_spec(spec)
+    variant, overrides = parse_variant_spec(spec)
     cfg = config(variant, scale, chips)
     cfg.model.dtype = dtype
     for key, value in overrides.items():
